@@ -1,0 +1,306 @@
+"""One parser for every slime flag, validated once and read-only afterwards.
+
+Flag names follow the original slime (Megatron-style training names, `--rollout-*`
+for generation, `--sglang-*` passed through to the engines). `parse_args` returns a
+frozen `Args`; every derived value (data-parallel size, number of engines, steps per
+rollout, output directory, ...) is computed here, nowhere else.
+
+Errors are `SlimeConfigError`s whose message names the flag; `main`-style callers
+print them as one line (see `slime.utils.errors.run_main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import os
+import sys
+from pathlib import Path
+
+from slime.utils.errors import SlimeConfigError
+
+SGLANG_PREFIX = "--sglang-"
+KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
+ADVANTAGE_ESTIMATORS = ("grpo",)
+RM_TYPES = ("math", "exact")
+
+
+class Args(argparse.Namespace):
+    """argparse namespace that refuses writes once validation has frozen it."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"args are read-only after validation (tried to set {name!r})")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> "Args":
+        self.__dict__["_frozen"] = True
+        return self
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, no usage dump
+        raise SlimeConfigError(message)
+
+
+def _size(text: str) -> int:
+    """Parse a byte size such as `512MB`, `1GiB` or `1048576`."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num) :]
+    if unit not in units:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 512MB or 1GiB)")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (use e.g. 512MB or 1GiB)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description="slime: RL post-training of LLMs.", allow_abbrev=False)
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--actor-num-nodes", type=int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
+                   help="train ranks per node; on a machine without CUDA each counts as one process (gloo)")
+    g.add_argument("--rollout-num-gpus", type=int, default=None,
+                   help="devices for rollout engines in total (default: the actor's when --colocate, else 1)")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
+    g.add_argument("--colocate", action="store_true",
+                   help="place engines on the same devices (placement bundles) as the train ranks")
+    g.add_argument("--train-backend", choices=("fsdp",), default="fsdp")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from (written by --save)")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (and after the last)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--prompt-data", default=None, help="JSONL or Parquet file of prompts")
+    g.add_argument("--input-key", default="input")
+    g.add_argument("--label-key", default=None)
+    g.add_argument("--metadata-key", default="metadata")
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=int, default=None)
+    g.add_argument("--num-epoch", type=int, default=None,
+                   help="derive --num-rollout from passes over the prompt data")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--rollout-batch-size", type=int, required=True, help="prompts per rollout")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-max-response-len", type=int, default=1024)
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
+                   help="prompts longer than this (in tokens) are an error naming the row")
+    g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
+    g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
+    g.add_argument("--rm-type", choices=RM_TYPES, default="math",
+                   help="math: math-verify equivalence of the final answer; exact: stripped string equality")
+    g.add_argument("--rollout-request-timeout", type=float, default=600.0,
+                   help="seconds one /generate call may take before it is an error")
+    g.add_argument("--engine-startup-timeout", type=float, default=300.0)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward/backward on one rank")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--update-weight-buffer-size", type=_size, default=_size("512MB"),
+                   help="bytes per weight-sync bucket sent to the engines")
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=KL_LOSS_TYPES, default="low_var_kl")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None, help="upper clip (default: --eps-clip)")
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-prompt-data", nargs="+", default=None,
+                   help="NAME PATH [NAME PATH ...] (a single PATH is named 'eval')")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
+    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
+    g.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
+    g.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--output-dir", default=None, help="metrics and logs (default: a new folder under ./outputs)")
+    return p
+
+
+def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+
+
+def _collect_sglang(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, object]:
+    """`--sglang-foo-bar V` -> {"foo_bar": "V"}; a flag with no value -> True. Other unknown flags are errors."""
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith(SGLANG_PREFIX):
+            name = tok.split("=", 1)[0]
+            if name.startswith("-"):
+                close = difflib.get_close_matches(name, _known_flags(parser), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise SlimeConfigError(f"unknown flag {name}{hint}")
+            raise SlimeConfigError(f"unexpected argument {tok!r}")
+        key, eq, value = tok[len(SGLANG_PREFIX) :].partition("=")
+        key = key.replace("-", "_")
+        if eq:
+            out[key] = value
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            out[key] = extra[i + 1]
+            i += 1
+        else:
+            out[key] = True
+        i += 1
+    return out
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise SlimeConfigError(message)
+
+
+def _parse_eval_sets(values: list[str] | None) -> dict[str, str]:
+    if not values:
+        return {}
+    if len(values) == 1:
+        return {"eval": values[0]}
+    _require(len(values) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values: {values}")
+    sets = dict(zip(values[::2], values[1::2]))
+    _require(len(sets) == len(values) // 2, f"--eval-prompt-data repeats a name: {values[::2]}")
+    return sets
+
+
+def _default_output_dir() -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("outputs") / f"run-{stamp}"
+    path, k = base, 1
+    while path.exists():
+        path, k = Path(f"{base}-{k}"), k + 1
+    return str(path)
+
+
+def validate(args: Args) -> Args:
+    """Check every flag and compute derived values; returns the frozen args."""
+    # cluster
+    for flag in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
+        _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    args.dp_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.rollout_num_gpus is None:
+        args.rollout_num_gpus = args.dp_size if args.colocate else 1
+    _require(args.rollout_num_gpus >= 1, f"--rollout-num-gpus must be >= 1, got {args.rollout_num_gpus}")
+    _require(
+        args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
+        f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
+        f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
+    )
+    args.num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    if args.colocate:
+        _require(
+            args.rollout_num_gpus == args.dp_size,
+            f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
+            f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
+        )
+
+    # files
+    hf = Path(args.hf_checkpoint)
+    _require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
+    _require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
+    _require(args.prompt_data is not None, "--prompt-data is required")
+    _require(Path(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
+    args.eval_sets = _parse_eval_sets(args.eval_prompt_data)
+    for name, path in args.eval_sets.items():
+        _require(Path(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
+    if args.eval_sets and args.eval_interval is None:
+        args.eval_interval = 1 << 30  # before training and after the last rollout only
+    if args.load is not None:
+        _require(Path(args.load).is_dir(), f"--load: directory {args.load} does not exist")
+    _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
+    _require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
+
+    # rollout
+    _require(args.rollout_batch_size >= 1, f"--rollout-batch-size must be >= 1, got {args.rollout_batch_size}")
+    _require(args.n_samples_per_prompt >= 1, f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
+    _require(args.rollout_temperature >= 0, f"--rollout-temperature must be >= 0, got {args.rollout_temperature}")
+    _require(0 < args.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+    _require(args.rollout_top_k == -1 or args.rollout_top_k >= 1, f"--rollout-top-k must be -1 or >= 1")
+    _require(args.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
+    _require(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1")
+    for name in ("temperature", "top_p", "top_k", "max_response_len"):
+        if getattr(args, f"eval_{name}") is None:
+            setattr(args, f"eval_{name}", getattr(args, f"rollout_{name}"))
+
+    # the batch rule: rollout_batch_size * n_samples_per_prompt = global_batch_size * num_steps_per_rollout
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    rule = (
+        f"rollout_batch_size * n_samples_per_prompt ({args.rollout_batch_size} * {args.n_samples_per_prompt} "
+        f"= {samples}) must equal global_batch_size * num_steps_per_rollout"
+    )
+    if args.global_batch_size is None:
+        steps = args.num_steps_per_rollout or 1
+        _require(samples % steps == 0, f"{rule} ({samples} is not divisible by --num-steps-per-rollout {steps})")
+        args.global_batch_size = samples // steps
+    if args.num_steps_per_rollout is None:
+        _require(
+            samples % args.global_batch_size == 0,
+            f"{rule} ({samples} is not a multiple of --global-batch-size {args.global_batch_size})",
+        )
+        args.num_steps_per_rollout = samples // args.global_batch_size
+    _require(
+        samples == args.global_batch_size * args.num_steps_per_rollout,
+        f"{rule} ({args.global_batch_size} * {args.num_steps_per_rollout} = "
+        f"{args.global_batch_size * args.num_steps_per_rollout})",
+    )
+    _require(
+        args.global_batch_size % args.dp_size == 0,
+        f"--global-batch-size {args.global_batch_size} must be divisible by the data-parallel size {args.dp_size}",
+    )
+    _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+
+    # algorithm
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
+    _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+
+    # length of the run
+    _require(
+        args.num_rollout is not None or args.num_epoch is not None,
+        "one of --num-rollout or --num-epoch is required",
+    )
+    if args.output_dir is None:
+        args.output_dir = _default_output_dir()
+    return args.freeze()
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv, namespace=Args())
+    args.sglang_args = _collect_sglang(extra, parser)
+    return validate(args)
+
+
+def num_cpu_threads(processes: int) -> int:
+    """Threads one of `processes` CPU-bound processes sharing this machine should use."""
+    return max(1, (os.cpu_count() or 1) // max(1, processes))

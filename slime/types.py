@@ -1,0 +1,99 @@
+"""Typed records that flow between data, rollout and training.
+
+`Sample` is one prompt/response pair as rollout produces it. `RolloutBatch` is the
+column-oriented training data the rollout manager hands to the train actors: one
+entry per sample, in step order (see `RolloutBatch.split_for_ranks`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"  # stopped on EOS, a stop string or a stop token
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One prompt and one generated response.
+
+    `tokens` holds prompt + response token ids; the response is the last
+    `response_length` of them. `loss_mask` and `rollout_log_probs` have one entry
+    per response token (loss mask 0 marks tool/environment tokens).
+    """
+
+    prompt: str | list[dict[str, Any]] = ""
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    index: int = -1  # position of the sample within its rollout
+    group_index: int = -1  # the n samples of one prompt share it
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    reward: float | dict[str, float] | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_version: int | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.response_length :]
+
+
+@dataclass
+class RolloutBatch:
+    """Training data for one rollout, one list entry per sample.
+
+    `rewards` are what advantages are built from (already normalized per group for
+    GRPO-style estimators); `raw_rewards` are the scores as the reward function gave them.
+    """
+
+    tokens: list[list[int]]
+    response_lengths: list[int]
+    loss_masks: list[list[int]]
+    rewards: list[float]
+    raw_rewards: list[float]
+    rollout_log_probs: list[list[float]]
+    group_indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, indices: list[int]) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
+
+    def split_for_ranks(self, dp_size: int, global_batch_size: int) -> list["RolloutBatch"]:
+        """Split for data parallelism, keeping optimizer steps aligned.
+
+        The batch holds `num_steps * global_batch_size` samples; step s uses samples
+        [s*gbs, (s+1)*gbs). Rank r gets, for every step s, the contiguous slice
+        [s*gbs + r*gbs/dp, s*gbs + (r+1)*gbs/dp), so every rank's local batch is
+        `num_steps` chunks of `gbs/dp` samples in step order.
+        """
+        n = len(self)
+        if n % global_batch_size or global_batch_size % dp_size:
+            raise ValueError(
+                f"cannot split {n} samples into steps of global batch {global_batch_size} over {dp_size} ranks"
+            )
+        per_rank = global_batch_size // dp_size
+        out = []
+        for r in range(dp_size):
+            idx = [
+                s * global_batch_size + r * per_rank + i
+                for s in range(n // global_batch_size)
+                for i in range(per_rank)
+            ]
+            out.append(self.select(idx))
+        return out

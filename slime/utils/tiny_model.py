@@ -1,0 +1,110 @@
+"""Build a tiny random Llama-style model and a locally trained tokenizer.
+
+No model hub is needed: the tokenizer is trained with `tokenizers` on a small
+corpus and the model is built from a config. Used by `examples/quickstart.py --tiny`
+and by the tests. head_dim is 64 so that engines with a minimum head size
+(vLLM) can serve it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+# ChatML, the format SmolLM2 and Qwen use.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    words = (
+        "the answer is what of plus minus times and a an to in repeat digit number "
+        "user assistant system question solve compute sum total copy say output "
+        "please reply with only final result equals"
+    ).split()
+    lines = [" ".join(words)]
+    for a in range(100):
+        lines.append(f"{a} + {a % 10} = {a + a % 10}. What is {a} - 3? Answer: {a - 3}")
+    lines.append("0 1 2 3 4 5 6 7 8 9 + - * / = ? : . , ( ) ! \n")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    output_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+) -> Path:
+    """Write a tiny random LlamaForCausalLM plus tokenizer to `output_dir` and return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random model + tokenizer for tests and --tiny runs.")
+    parser.add_argument("output_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_tiny_model(args.output_dir, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
