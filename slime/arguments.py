@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from (written by --save)")
+    g.add_argument("--load", default=None,
+                   help="checkpoint directory to resume from (written by --save); empty or missing: start fresh")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (and after the last)")
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-max-response-len", type=int, default=1024)
     g.add_argument("--rollout-max-prompt-len", type=int, default=None,
-                   help="prompts longer than this (in tokens) are an error naming the row")
+                   help="prompts longer than this (in tokens) are dropped, with a counted warning")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
     g.add_argument("--rm-type", choices=RM_TYPES, default="math",
@@ -149,18 +150,24 @@ def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
     return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
 
 
-def _collect_sglang(extra: list[str], parser: argparse.ArgumentParser) -> dict[str, object]:
-    """`--sglang-foo-bar V` -> {"foo_bar": "V"}; a flag with no value -> True. Other unknown flags are errors."""
+def _check_unknown_flags(argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """Every `--flag` must be known or `--sglang-*`; an unknown one suggests the closest known flag."""
+    known = set(_known_flags(parser))
+    for tok in argv:
+        name = tok.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and name not in known and not name.startswith(SGLANG_PREFIX):
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SlimeConfigError(f"unknown flag {name}{hint}")
+
+
+def _collect_sglang(extra: list[str]) -> dict[str, object]:
+    """`--sglang-foo-bar V` -> {"foo_bar": "V"}; a flag with no value -> True."""
     out: dict[str, object] = {}
     i = 0
     while i < len(extra):
         tok = extra[i]
         if not tok.startswith(SGLANG_PREFIX):
-            name = tok.split("=", 1)[0]
-            if name.startswith("-"):
-                close = difflib.get_close_matches(name, _known_flags(parser), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise SlimeConfigError(f"unknown flag {name}{hint}")
             raise SlimeConfigError(f"unexpected argument {tok!r}")
         key, eq, value = tok[len(SGLANG_PREFIX) :].partition("=")
         key = key.replace("-", "_")
@@ -234,7 +241,7 @@ def validate(args: Args) -> Args:
     if args.eval_sets and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
     if args.load is not None:
-        _require(Path(args.load).is_dir(), f"--load: directory {args.load} does not exist")
+        _require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
     _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     _require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
 
@@ -288,6 +295,12 @@ def validate(args: Args) -> Args:
         args.num_rollout is not None or args.num_epoch is not None,
         "one of --num-rollout or --num-epoch is required",
     )
+    if args.num_rollout is None:
+        from slime.data.dataset import count_rows
+
+        _require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
+        args.num_rollout = max(1, args.num_epoch * count_rows(args.prompt_data) // args.rollout_batch_size)
+    _require(args.num_rollout >= 1, f"--num-rollout must be >= 1, got {args.num_rollout}")
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     return args.freeze()
@@ -296,8 +309,9 @@ def validate(args: Args) -> Args:
 def parse_args(argv: list[str] | None = None) -> Args:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    _check_unknown_flags(argv, parser)
     args, extra = parser.parse_known_args(argv, namespace=Args())
-    args.sglang_args = _collect_sglang(extra, parser)
+    args.sglang_args = _collect_sglang(extra)
     return validate(args)
 
 

@@ -1,7 +1,7 @@
-"""Build a tiny random Llama-style model and a locally trained tokenizer.
+"""Build a tiny random Llama-style model and a small word-level tokenizer.
 
-No model hub is needed: the tokenizer is trained with `tokenizers` on a small
-corpus and the model is built from a config. Used by `examples/quickstart.py --tiny`
+No model hub is needed: the tokenizer is built with `tokenizers` from a fixed
+vocabulary and the model from a config. Used by `examples/quickstart.py --tiny`
 and by the tests. head_dim is 64 so that engines with a minimum head size
 (vLLM) can serve it too.
 """
@@ -22,39 +22,31 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> list[str]:
-    words = (
-        "the answer is what of plus minus times and a an to in repeat digit number "
-        "user assistant system question solve compute sum total copy say output "
-        "please reply with only final result equals"
-    ).split()
-    lines = [" ".join(words)]
-    for a in range(100):
-        lines.append(f"{a} + {a % 10} = {a + a % 10}. What is {a} - 3? Answer: {a - 3}")
-    lines.append("0 1 2 3 4 5 6 7 8 9 + - * / = ? : . , ( ) ! \n")
-    return lines
+# A small word-level vocabulary: a random model over it emits digits often enough
+# that toy tasks give GRPO signal from the first rollout.
+WORDS = (
+    "user assistant system the answer is what of plus minus times and a to in repeat digit number "
+    "question solve compute sum copy say output reply with only final result equals parity odd even "
+    "yes no hello world test"
+).split()
+SYMBOLS = list("0123456789+-*/=?:.,()!")
 
 
-def build_tokenizer(vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    vocab = {t: i for i, t in enumerate(["<unk>"] + SPECIAL_TOKENS + WORDS + SYMBOLS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # split on whitespace and around punctuation, so "7?" is two tokens; decode joins with spaces
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         bos_token="<|endoftext|>",
         pad_token="<|pad|>",
-        unk_token=None,
+        unk_token="<unk>",
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
+
+class _NoTimeoutWarning(logging.Filter):
+    # math-verify warns on every call when its signal-based timeouts are off; slime
+    # runs rewards off the main thread (where signals cannot be used) and bounds them
+    # with its own timeout (slime.rollout.generate), so the warning is noise.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_NoTimeoutWarning())
+
 
 def _parse(text: str):
     from math_verify import parse

@@ -1,0 +1,81 @@
+"""Checkpoints: `<save>/rollout_<id>/` written atomically, `<save>/latest` names the newest.
+
+A checkpoint directory holds
+  hf/             the policy as Hugging Face safetensors (+ config and tokenizer)
+  train_state/    torch DCP directory: model and optimizer state of every rank
+  rollout_state.json  the data source's position (epoch, offset)
+  meta.json       {"rollout_id": k}: training resumes at rollout k + 1
+
+It is first written under a temporary name and renamed into place, and `latest`
+is replaced atomically after that, so a crash mid-save leaves the previous
+checkpoint whole and `latest` pointing at it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import ray
+
+LATEST = "latest"
+
+
+def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
+    return Path(root) / f"rollout_{rollout_id:06d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(args, rollout_id: int, actor, rollout_manager) -> Path:
+    root = Path(args.save)
+    root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir(root, rollout_id)
+    tmp = root / f".tmp-{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    actor.save(str(tmp))
+    state = ray.get(rollout_manager.state_dict.remote())
+    _write_atomic(tmp / "rollout_state.json", json.dumps(state))
+    _write_atomic(tmp / "meta.json", json.dumps({"rollout_id": rollout_id}))
+    if final.exists():  # re-saving the same rollout id (e.g. a resumed run)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _write_atomic(root / LATEST, final.name + "\n")
+    return final
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None when there is none yet."""
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{marker} names {path}, which is not a complete checkpoint")
+    return path
+
+
+def load(args, actor, rollout_manager) -> int:
+    """Restore from `--load`; returns the first rollout id to run (0 when there is no checkpoint)."""
+    if args.load is None:
+        return 0
+    path = latest(args.load)
+    if path is None:
+        print(f"slime: no checkpoint in {args.load} yet; starting from --hf-checkpoint")
+        return 0
+    actor.load(str(path))
+    ray.get(rollout_manager.load_state_dict.remote(json.loads((path / "rollout_state.json").read_text())))
+    rollout_id = json.loads((path / "meta.json").read_text())["rollout_id"]
+    print(f"slime: resumed from {path} (rollout {rollout_id})")
+    return rollout_id + 1

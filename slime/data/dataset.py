@@ -1,0 +1,136 @@
+"""Prompt datasets: JSONL or Parquet rows -> tokenized prompts.
+
+A row's prompt (under `--input-key`) is a string or a list of chat messages
+(`{"role": ..., "content": ...}`); with `--apply-chat-template` it is rendered by
+the tokenizer's chat template (a string becomes one user message). The label
+(`--label-key`) and metadata (`--metadata-key`, a dict) travel with the sample.
+Every error names the file and the line (JSONL) or row (Parquet) and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from slime.utils.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    prompt: str | list[dict[str, Any]]  # as written in the data file
+    input_ids: list[int]  # the tokenized prompt the engine continues
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    where: str = ""  # "file:line" for messages
+
+
+def _rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) pairs; location is `file:line` (JSONL) or `file row N` (Parquet)."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:
+            raise DataError(f"{path}: cannot read Parquet file ({e})") from None
+        for i, row in enumerate(table.to_pylist()):
+            yield f"{path} row {i}", row
+        return
+    if suffix not in (".jsonl", ".json", ".ndjson"):
+        raise DataError(f"{path}: unsupported prompt file type {suffix!r} (use .jsonl or .parquet)")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def count_rows(path: str | Path) -> int:
+    """Number of rows in a prompt file, without tokenizing."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _check_messages(where: str, key: str, messages: list) -> None:
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{where}: field {key!r} message {i} must be an object with string 'role' and 'content', got {m!r}"
+            )
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> str:
+    """The text the model continues: the chat template's rendering, or the raw string."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert isinstance(prompt, str)
+    return prompt
+
+
+def load_prompts(
+    path: str | Path,
+    tokenizer,
+    input_key: str,
+    label_key: str | None = None,
+    metadata_key: str | None = "metadata",
+    apply_chat_template: bool = False,
+    max_prompt_len: int | None = None,
+) -> list[Prompt]:
+    """Read and tokenize every row; prompts over `max_prompt_len` tokens are dropped with a counted warning."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file does not exist")
+    prompts: list[Prompt] = []
+    too_long = 0
+    for where, row in _rows(path):
+        if input_key not in row:
+            raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
+        prompt = row[input_key]
+        if isinstance(prompt, list):
+            _check_messages(where, input_key, prompt)
+            if not apply_chat_template:
+                raise DataError(f"{where}: field {input_key!r} is a list of chat messages; pass --apply-chat-template")
+        elif not isinstance(prompt, str):
+            raise DataError(f"{where}: field {input_key!r} must be a string or a list of chat messages")
+        label = None
+        if label_key is not None:
+            if label_key not in row:
+                raise DataError(f"{where}: missing field {label_key!r} (--label-key); row has {sorted(row)}")
+            label = row[label_key]
+        metadata = row.get(metadata_key) if metadata_key else None
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict):
+            raise DataError(f"{where}: field {metadata_key!r} (--metadata-key) must be an object")
+        text = render_prompt(tokenizer, prompt, apply_chat_template)
+        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not input_ids:
+            raise DataError(f"{where}: field {input_key!r} is empty after tokenization")
+        if max_prompt_len is not None and len(input_ids) > max_prompt_len:
+            too_long += 1
+            continue
+        prompts.append(Prompt(prompt=prompt, input_ids=input_ids, label=label, metadata=metadata, where=where))
+    if too_long:
+        logger.warning("%s: dropped %d prompts longer than --rollout-max-prompt-len %s", path, too_long, max_prompt_len)
+    if not prompts:
+        raise DataError(f"{path}: no usable prompts" + (f" ({too_long} over --rollout-max-prompt-len)" if too_long else ""))
+    return prompts

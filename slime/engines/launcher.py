@@ -1,0 +1,88 @@
+"""Start inference-engine servers as processes owned by Ray actors.
+
+One `EngineServer` actor per engine: it is scheduled on the engine's placement
+bundle, launches the server command as a child process bound to 127.0.0.1, waits
+until `/health` answers, and kills the process on shutdown or when the actor dies.
+The server's output goes to `<output-dir>/logs/engine_<rank>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from slime.arguments import num_cpu_threads
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def native_command(args, rank: int, host: str, port: int) -> list[str]:
+    """Command line of the embedded engine for engine `rank`."""
+    return [
+        sys.executable, "-m", "slime.engines.native",
+        "--model-path", args.hf_checkpoint,
+        "--host", host,
+        "--port", str(port),
+        "--num-threads", str(num_cpu_threads(args.num_engines)),
+        "--random-seed", str(args.seed + rank),
+    ]
+
+
+class EngineServer:
+    """Ray actor owning one engine process."""
+
+    def __init__(self, args, rank: int):
+        self.args = args
+        self.rank = rank
+        self.process: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self) -> str:
+        from slime.engines.client import wait_until_healthy
+
+        host = "127.0.0.1"
+        port = free_port(host)
+        cmd = native_command(self.args, self.rank, host, port)
+        log_dir = Path(self.args.output_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"engine_{self.rank}.log"
+        env = dict(os.environ, OMP_NUM_THREADS=cmd[cmd.index("--num-threads") + 1], PYTHONUNBUFFERED="1")
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.url = f"http://{host}:{port}"
+        try:
+            wait_until_healthy(self.url, timeout=self.args.engine_startup_timeout, process=self.process)
+        except Exception as e:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            self.shutdown()
+            raise RuntimeError(f"engine {self.rank} did not start ({e}); last output of {log_path}:\n{tail}") from None
+        return self.url
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def shutdown(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,60 @@
+"""Run metrics: `<output-dir>/metrics.jsonl` (always) and TensorBoard.
+
+Each `log` call appends one JSON object and flushes it to disk, so a crashed run
+keeps every record written before the crash. Training records carry the rollout's
+metrics; evaluation records carry `eval/*` metrics and `trained_rollouts` (how
+many rollouts had been trained on when the eval ran).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+
+    def log(self, step: int, record: dict) -> None:
+        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def console_line(rollout_id: int, record: dict) -> str:
+    """One line per rollout for the console."""
+    parts = [f"rollout {rollout_id}"]
+    for key, label, fmt in (
+        ("rollout/raw_reward", "reward", "{:.3f}"),
+        ("rollout/response_len/mean", "len", "{:.1f}"),
+        ("train/pg_loss", "pg_loss", "{:+.4f}"),
+        ("train/kl_loss", "kl", "{:.2e}"),
+        ("train/grad_norm", "grad_norm", "{:.3f}"),
+        ("train/train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"),
+        ("perf/rollout_time", "rollout_s", "{:.1f}"),
+        ("perf/train_time", "train_s", "{:.1f}"),
+    ):
+        if key in record:
+            parts.append(f"{label}={fmt.format(record[key])}")
+    return " | ".join(parts)

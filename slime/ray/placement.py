@@ -1,0 +1,57 @@
+"""Ray placement groups for train ranks and rollout engines.
+
+On a CUDA cluster each device is a bundle `{"GPU": 1, "CPU": 1}`; on a machine
+without CUDA a "GPU" is a process and each bundle is a sliver of CPU
+(`{"CPU": 0.01}`), so `--actor-num-gpus-per-node 2` still means two ranks.
+With `--colocate`, engines share the train ranks' bundles; otherwise they get
+their own. Rank i always maps to bundle i (stable rank-to-device mapping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.utils.errors import SlimeError
+
+CPU_BUNDLE = {"CPU": 0.01}
+GPU_BUNDLE = {"GPU": 1, "CPU": 1}
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+def use_gpus() -> bool:
+    return bool(ray.cluster_resources().get("GPU", 0))
+
+
+@dataclass
+class Placement:
+    pg: PlacementGroup
+    actor_bundles: list[int]  # bundle index of train rank i
+    engine_bundles: list[int]  # bundle index of the first device of engine i
+
+    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
+
+
+def create(args) -> Placement:
+    """Reserve every device the run needs, or fail with what is missing."""
+    bundle = GPU_BUNDLE if use_gpus() else CPU_BUNDLE
+    n_actor = args.dp_size
+    n_total = n_actor if args.colocate else n_actor + args.rollout_num_gpus
+    pg = placement_group([dict(bundle) for _ in range(n_total)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        need = {k: v * n_total for k, v in bundle.items()}
+        raise SlimeError(
+            f"cannot place {n_total} bundles of {bundle} ({n_actor} train ranks"
+            f"{'' if args.colocate else f' + {args.rollout_num_gpus} rollout devices'}): need {need}, "
+            f"cluster has {ray.available_resources()} available"
+        ) from None
+    engine_start = 0 if args.colocate else n_actor
+    engine_bundles = [engine_start + i * args.rollout_num_gpus_per_engine for i in range(args.num_engines)]
+    return Placement(pg=pg, actor_bundles=list(range(n_actor)), engine_bundles=engine_bundles)

@@ -1,0 +1,169 @@
+"""RolloutManager: the Ray actor that turns prompts into training data.
+
+It owns the data source, the engines (one `EngineServer` actor each) and the
+reward function. `generate(rollout_id)` takes `rollout_batch_size` prompts,
+makes `n_samples_per_prompt` samples of each, generates and scores them
+concurrently over HTTP, normalizes rewards per group (by group index) and returns
+one object ref per data-parallel rank plus the rollout's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+
+import ray
+import torch
+
+from slime.algorithms.advantages import group_normalize
+from slime.data.dataset import load_prompts
+from slime.data.source import DataSource
+from slime.engines.launcher import EngineServer
+from slime.engines.router import EnginePool
+from slime.rollout.generate import generate_and_rm, sample_seed, sampling_params
+from slime.rollout.rewards import get_reward_function
+from slime.types import RolloutBatch, Sample, SampleStatus
+
+
+class RolloutManager:
+    def __init__(self, args, placement=None):
+        self.args = args
+        self.placement = placement
+        self.servers: list = []
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="rollout-loop", daemon=True).start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def init(self) -> list[str]:
+        """Load prompt data, start the engines; returns the engine URLs. Data errors surface here."""
+        from transformers import AutoTokenizer
+
+        args = self.args
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+
+        def load(path):
+            return load_prompts(
+                path, tokenizer, args.input_key, args.label_key, args.metadata_key,
+                args.apply_chat_template, args.rollout_max_prompt_len,
+            )
+
+        self.data_source = DataSource(load(args.prompt_data), shuffle=args.rollout_shuffle, seed=args.rollout_seed)
+        self.eval_sets = {name: load(path) for name, path in args.eval_sets.items()}
+        self.reward_fn = get_reward_function(args.rm_type)
+
+        server_cls = ray.remote(num_cpus=0)(EngineServer)
+        for rank in range(args.num_engines):
+            opts = {}
+            if self.placement is not None:
+                opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
+            self.servers.append(server_cls.options(**opts).remote(args, rank))
+        self.urls = ray.get([s.start.remote() for s in self.servers])
+        self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout)
+        return self.urls
+
+    def num_prompts(self) -> int:
+        return len(self.data_source)
+
+    # ------------------------------------------------------------------ rollout
+    def _make_samples(self, prompts, n: int) -> list[Sample]:
+        return [
+            Sample(
+                prompt=p.prompt, label=p.label, metadata=dict(p.metadata),
+                index=g * n + j, group_index=g, tokens=list(p.input_ids),
+            )
+            for g, p in enumerate(prompts)
+            for j in range(n)
+        ]
+
+    async def _generate_all(self, samples: list[Sample], rollout_id: int, evaluation: bool) -> list[Sample]:
+        base = sampling_params(self.args, evaluation=evaluation)
+        tasks = [
+            generate_and_rm(
+                self.engines, s, dict(base, seed=sample_seed(self.args.seed, rollout_id, s.index, evaluation)),
+                self.reward_fn,
+            )
+            for s in samples
+        ]
+        return await asyncio.gather(*tasks)
+
+    def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
+        args = self.args
+        start = time.perf_counter()
+        samples = self._make_samples(self.data_source.next_prompts(args.rollout_batch_size), args.n_samples_per_prompt)
+        samples = self._run(self._generate_all(samples, rollout_id, evaluation=False))
+        elapsed = time.perf_counter() - start
+        batch = self._to_train_batch(samples)
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        metrics = self._rollout_metrics(samples)
+        metrics["perf/rollout_time"] = elapsed
+        metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in samples) / max(elapsed, 1e-9)
+        return refs, metrics
+
+    def _to_train_batch(self, samples: list[Sample]) -> RolloutBatch:
+        valid = [i for i, s in enumerate(samples) if s.status != SampleStatus.FAILED]
+        rewards = [0.0] * len(samples)
+        if valid:
+            normalized = group_normalize(
+                torch.tensor([samples[i].reward for i in valid], dtype=torch.float32),
+                [samples[i].group_index for i in valid],
+            )
+            for i, r in zip(valid, normalized.tolist()):
+                rewards[i] = r
+        return RolloutBatch(
+            tokens=[s.tokens for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            # a sample whose reward failed trains on nothing
+            loss_masks=[s.loss_mask if s.status != SampleStatus.FAILED else [0] * s.response_length for s in samples],
+            rewards=rewards,
+            raw_rewards=[s.reward if s.reward is not None else 0.0 for s in samples],
+            rollout_log_probs=[s.rollout_log_probs for s in samples],
+            group_indices=[s.group_index for s in samples],
+        )
+
+    @staticmethod
+    def _rollout_metrics(samples: list[Sample]) -> dict[str, float]:
+        scored = [s.reward for s in samples if s.reward is not None]
+        lengths = [s.response_length for s in samples]
+        groups: dict[int, list[float]] = {}
+        for s in samples:
+            if s.reward is not None:
+                groups.setdefault(s.group_index, []).append(s.reward)
+        return {
+            "rollout/raw_reward": statistics.fmean(scored) if scored else 0.0,
+            "rollout/response_len/mean": statistics.fmean(lengths),
+            "rollout/response_len/max": float(max(lengths)),
+            "rollout/response_len/min": float(min(lengths)),
+            "rollout/truncated_ratio": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+            "rollout/zero_std_group_ratio": sum(len(set(g)) == 1 for g in groups.values()) / max(len(groups), 1),
+            "rollout/reward_failures": float(len(samples) - len(scored)),
+        }
+
+    # --------------------------------------------------------------- evaluation
+    def eval(self, rollout_id: int) -> dict[str, float]:
+        """Score every eval set with the current engine weights: `eval/<name>` is the mean reward."""
+        metrics: dict[str, float] = {}
+        for name, prompts in self.eval_sets.items():
+            start = time.perf_counter()
+            samples = self._make_samples(prompts, self.args.n_samples_per_eval_prompt)
+            samples = self._run(self._generate_all(samples, rollout_id, evaluation=True))
+            metrics[f"eval/{name}"] = statistics.fmean(s.reward if s.reward is not None else 0.0 for s in samples)
+            metrics[f"eval/{name}/response_len/mean"] = statistics.fmean(s.response_length for s in samples)
+            metrics[f"eval/{name}/reward_failures"] = float(sum(s.reward is None for s in samples))
+            metrics[f"perf/eval_time/{name}"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"data_source": self.data_source.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data_source.load_state_dict(state["data_source"])
+
+    def shutdown(self) -> None:
+        if hasattr(self, "engines"):
+            self._run(self.engines.close())
+        ray.get([s.shutdown.remote() for s in self.servers])

@@ -1,0 +1,90 @@
+import json
+import pickle
+
+import pytest
+
+from slime.arguments import parse_args
+from slime.utils.errors import SlimeConfigError
+
+
+@pytest.fixture
+def base(tiny_model_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input": f"q{i}", "label": str(i)}) for i in range(10)) + "\n")
+    return ["--hf-checkpoint", tiny_model_dir, "--prompt-data", str(data), "--output-dir", str(tmp_path / "out")]
+
+
+def test_derived_values(base):
+    args = parse_args(base + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                              "--global-batch-size", "8", "--num-rollout", "3"])
+    assert args.num_steps_per_rollout == 2
+    assert args.dp_size == 1 and args.num_engines == 1
+    assert args.eps_clip_high == args.eps_clip == 0.2
+    assert args.eval_temperature == args.rollout_temperature
+    assert args.sglang_args == {}
+
+
+def test_global_batch_defaults_to_one_step(base):
+    args = parse_args(base + ["--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--num-rollout", "1"])
+    assert (args.global_batch_size, args.num_steps_per_rollout) == (6, 1)
+
+
+def test_batch_rule_message_shows_numbers(base):
+    with pytest.raises(SlimeConfigError) as e:
+        parse_args(base + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+                           "--global-batch-size", "8", "--num-steps-per-rollout", "3", "--num-rollout", "1"])
+    msg = str(e.value)
+    assert "4 * 4 = 16" in msg and "8 * 3 = 24" in msg
+
+
+def test_unknown_flag_suggests_closest(base):
+    with pytest.raises(SlimeConfigError, match=r"unknown flag --rollout-batch-sise \(did you mean --rollout-batch-size\?\)"):
+        parse_args(base + ["--rollout-batch-sise", "4", "--num-rollout", "1"])
+
+
+def test_sglang_flags_are_collected(base):
+    args = parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1",
+                              "--sglang-mem-fraction-static", "0.7", "--sglang-enable-dp-attention",
+                              "--sglang-context-length=4096"])
+    assert args.sglang_args == {"mem_fraction_static": "0.7", "enable_dp_attention": True, "context_length": "4096"}
+
+
+def test_args_are_read_only_and_picklable(base):
+    args = parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1"])
+    with pytest.raises(AttributeError, match="read-only"):
+        args.lr = 1.0
+    copy = pickle.loads(pickle.dumps(args))
+    assert copy.rollout_batch_size == 1
+    with pytest.raises(AttributeError):
+        copy.lr = 1.0
+
+
+def test_missing_checkpoint_dir(base, tmp_path):
+    argv = list(base)
+    argv[1] = str(tmp_path / "nope")
+    with pytest.raises(SlimeConfigError, match=r"--hf-checkpoint: directory .*nope does not exist"):
+        parse_args(argv + ["--rollout-batch-size", "1", "--num-rollout", "1"])
+
+
+def test_two_ranks_and_engines(base):
+    args = parse_args(base + ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+                              "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"])
+    assert (args.dp_size, args.num_engines) == (2, 2)
+    with pytest.raises(SlimeConfigError, match="divisible by the data-parallel size 2"):
+        parse_args(base + ["--rollout-batch-size", "3", "--num-rollout", "1", "--actor-num-gpus-per-node", "2"])
+
+
+def test_num_epoch_derives_num_rollout(base):
+    args = parse_args(base + ["--rollout-batch-size", "4", "--num-epoch", "2"])
+    assert args.num_rollout == 5  # 2 epochs * 10 prompts // 4
+
+
+def test_eval_sets(base, tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text('{"input": "x", "label": "1"}\n')
+    args = parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1", "--eval-prompt-data", "a", str(p), "b", str(p)])
+    assert args.eval_sets == {"a": str(p), "b": str(p)}
+    args = parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1", "--eval-prompt-data", str(p)])
+    assert args.eval_sets == {"eval": str(p)}
+    with pytest.raises(SlimeConfigError, match="NAME PATH pairs"):
+        parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1", "--eval-prompt-data", "a", str(p), "b"])
