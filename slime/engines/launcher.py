@@ -18,6 +18,18 @@ from pathlib import Path
 from slime.arguments import num_cpu_threads
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the owning actor process dies (Linux), so an
+    engine never outlives a crashed run."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -57,7 +69,8 @@ class EngineServer:
         env = dict(os.environ, OMP_NUM_THREADS=cmd[cmd.index("--num-threads") + 1], PYTHONUNBUFFERED="1")
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         self.url = f"http://{host}:{port}"
         try:

@@ -27,6 +27,18 @@ from slime.rollout.rewards import get_reward_function
 from slime.types import RolloutBatch, Sample, SampleStatus
 
 
+async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout_id: int, evaluation: bool):
+    """Generate and score every sample concurrently; each request gets its own sampling seed.
+
+    (A module function: a coroutine method would make Ray run the manager as an async actor.)
+    """
+    base = sampling_params(args, evaluation=evaluation)
+    return await asyncio.gather(*(
+        generate_and_rm(engines, s, dict(base, seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn)
+        for s in samples
+    ))
+
+
 class RolloutManager:
     def __init__(self, args, placement=None):
         self.args = args
@@ -79,22 +91,11 @@ class RolloutManager:
             for j in range(n)
         ]
 
-    async def _generate_all(self, samples: list[Sample], rollout_id: int, evaluation: bool) -> list[Sample]:
-        base = sampling_params(self.args, evaluation=evaluation)
-        tasks = [
-            generate_and_rm(
-                self.engines, s, dict(base, seed=sample_seed(self.args.seed, rollout_id, s.index, evaluation)),
-                self.reward_fn,
-            )
-            for s in samples
-        ]
-        return await asyncio.gather(*tasks)
-
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
         start = time.perf_counter()
         samples = self._make_samples(self.data_source.next_prompts(args.rollout_batch_size), args.n_samples_per_prompt)
-        samples = self._run(self._generate_all(samples, rollout_id, evaluation=False))
+        samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False))
         elapsed = time.perf_counter() - start
         batch = self._to_train_batch(samples)
         refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
@@ -149,7 +150,7 @@ class RolloutManager:
         for name, prompts in self.eval_sets.items():
             start = time.perf_counter()
             samples = self._make_samples(prompts, self.args.n_samples_per_eval_prompt)
-            samples = self._run(self._generate_all(samples, rollout_id, evaluation=True))
+            samples = self._run(_generate_all(self.args, self.engines, self.reward_fn, samples, rollout_id, True))
             metrics[f"eval/{name}"] = statistics.fmean(s.reward if s.reward is not None else 0.0 for s in samples)
             metrics[f"eval/{name}/response_len/mean"] = statistics.fmean(s.response_length for s in samples)
             metrics[f"eval/{name}/reward_failures"] = float(sum(s.reward is None for s in samples))

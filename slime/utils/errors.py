@@ -18,16 +18,27 @@ class DataError(SlimeError):
     """Bad prompt data; the message names the file and line (or row) and field."""
 
 
+def _user_error(exc: BaseException | None) -> SlimeError | None:
+    """The SlimeError behind `exc`: itself, or the cause Ray wraps around an actor's exception."""
+    seen = 0
+    while exc is not None and seen < 10:
+        cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError keeps the original here
+        if isinstance(cause, SlimeError):
+            return cause
+        if isinstance(exc, SlimeError) and not hasattr(exc, "cause"):
+            return exc
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+        seen += 1
+    return None
+
+
 def run_main(main: Callable[[], object]) -> None:
     """Run `main`, turning a SlimeError (also one raised inside a Ray actor) into one line and exit 2."""
     try:
         main()
-    except SlimeError as e:
-        print(f"slime: error: {e}", file=sys.stderr)
+    except Exception as e:
+        err = _user_error(e)
+        if err is None:
+            raise
+        print(f"slime: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except Exception as e:  # Ray wraps actor exceptions; unwrap ours
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, SlimeError):
-            print(f"slime: error: {cause}", file=sys.stderr)
-            sys.exit(2)
-        raise

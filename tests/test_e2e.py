@@ -1,0 +1,140 @@
+"""End-to-end runs of train.py and the quickstart on the tiny model (Ray + engine + trainer)."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_KEYS = [
+    "rollout/raw_reward", "rollout/response_len/mean", "train/loss", "train/pg_loss", "train/kl_loss",
+    "train/entropy_loss", "train/pg_clipfrac", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
+    "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
+]
+
+
+def run(cmd, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(out_dir):
+    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from tiny_task import make_tiny_task
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    work = tmp_path_factory.mktemp("e2e")
+    model = build_tiny_model(work / "model", seed=0)
+    train, evaluation = make_tiny_task(work / "data", seed=0)
+    return {"model": str(model), "train": str(train), "eval": str(evaluation), "work": work}
+
+
+def shape_cmd(task, out_dir, *extra):
+    """The seed's quick-start shape with small numbers."""
+    return [
+        sys.executable, "train.py", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--rollout-num-gpus", "1", "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+        "--num-rollout", "3", "--prompt-data", task["train"], "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--hf-checkpoint", task["model"], "--rollout-max-response-len", "4",
+        "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out_dir), *extra,
+    ]
+
+
+def test_quickstart_tiny_reward_rises(tmp_path):
+    out = tmp_path / "qs"
+    proc = run([sys.executable, "examples/quickstart.py", "--tiny", "--output-dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in records(out) if "rollout/raw_reward" in r]
+    rewards = [r["rollout/raw_reward"] for r in train]
+    first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
+    assert last >= 1.5 * first and last > first + 0.1, rewards
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-3 for r in train)
+    evals = [r for r in records(out) if "trained_rollouts" in r]
+    assert [e["trained_rollouts"] for e in evals][0] == 0 and evals[-1]["trained_rollouts"] == len(train)
+    assert "eval/parity:" in proc.stdout
+
+
+def test_quickstart_shape_metrics_and_determinism(task, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        proc = run(shape_cmd(task, out, "--seed", "7"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ra, rb = records(a), records(b)
+    assert [r["rollout_id"] for r in ra] == [0, 1, 2]
+    for r in ra:
+        for key in TRAIN_KEYS:
+            assert key in r, key
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-3
+        assert r["train/pg_clipfrac"] == 0.0  # one step per rollout: ratio is exactly 1
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]
+    assert strip(ra) == strip(rb)
+    assert (a / "tensorboard").is_dir()
+
+
+def test_save_then_resume_continues_at_next_rollout(task, tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    proc = run(shape_cmd(task, out, "--save", str(ckpt), "--save-interval", "1", "--num-rollout", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "rollout_000001"
+    assert (ckpt / "rollout_000001" / "hf" / "model.safetensors").is_file()
+    assert json.loads((ckpt / "rollout_000001" / "rollout_state.json").read_text())["data_source"]["offset"] == 8
+
+    proc = run(shape_cmd(task, out, "--load", str(ckpt), "--save", str(ckpt), "--num-rollout", "3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert [r["rollout_id"] for r in records(out)] == [0, 1, 2]
+    assert (ckpt / "latest").read_text().strip() == "rollout_000002"
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "rollout_000002" / "hf")
+    assert model.config.vocab_size > 0
+
+
+@pytest.mark.parametrize("case", ["malformed_jsonl", "missing_label", "batch_rule", "unknown_flag", "missing_checkpoint"])
+def test_bad_input_one_clear_line(task, tmp_path, case):
+    data = Path(task["train"])
+    cmd = shape_cmd(task, tmp_path / "out")
+    if case == "malformed_jsonl":
+        bad = tmp_path / "bad.jsonl"
+        lines = data.read_text().splitlines()
+        bad.write_text("\n".join(lines[:2] + ['{"prompt": [}'] + lines[2:]) + "\n")
+        cmd[cmd.index(str(data))] = str(bad)
+        expected = f"{bad}:3: malformed JSON"
+    elif case == "missing_label":
+        bad = tmp_path / "bad.jsonl"
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        del rows[4]["label"]
+        bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cmd[cmd.index(str(data))] = str(bad)
+        expected = f"{bad}:5: missing field 'label' (--label-key)"
+    elif case == "batch_rule":
+        cmd[cmd.index("--global-batch-size") + 1] = "12"
+        expected = "rollout_batch_size * n_samples_per_prompt (4 * 4 = 16)"
+    elif case == "unknown_flag":
+        cmd.append("--kl-los-coef")
+        expected = "unknown flag --kl-los-coef (did you mean --kl-loss-coef?)"
+    else:
+        cmd[cmd.index(task["model"])] = str(tmp_path / "no_model")
+        expected = f"--hf-checkpoint: directory {tmp_path / 'no_model'} does not exist"
+    proc = run(cmd, timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("slime: error:")]
+    assert len(error_lines) == 1, proc.stderr[-3000:]
+    assert expected in error_lines[0]
