@@ -81,8 +81,13 @@ def test_quickstart_shape_metrics_and_determinism(task, tmp_path):
             assert key in r, key
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert r["train/pg_clipfrac"] == 0.0  # one step per rollout: ratio is exactly 1
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]
+    # Same seed: identical samples, rewards and training metrics. The one exception is the engine's
+    # own log-probs, whose last bits depend on which requests happened to share a batch (fp32 matmul
+    # blocking varies with batch size), so their distance to the trainer's agrees only to ~1e-8.
+    lp = "train/train_rollout_logprob_abs_diff"
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/") and k != lp} for r in rs]
     assert strip(ra) == strip(rb)
+    assert [r[lp] for r in ra] == pytest.approx([r[lp] for r in rb], abs=1e-7)
     assert (a / "tensorboard").is_dir()
 
 
