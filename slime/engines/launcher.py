@@ -8,6 +8,7 @@ The server's output goes to `<output-dir>/logs/engine_<rank>.log`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,11 @@ import sys
 from pathlib import Path
 
 from slime.arguments import num_cpu_threads
+
+logger = logging.getLogger(__name__)
+
+# Set by slime for every engine; not overridable through --sglang-*.
+MANAGED_FLAGS = {"model_path", "host", "port"}
 
 
 def _die_with_parent() -> None:
@@ -36,8 +42,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def forwarded_flags(sglang_args: dict, accepted: set[str]) -> tuple[list[str], list[str]]:
+    """`--sglang-*` values as server flags, for the keys the server's parser accepts.
+
+    Returns (flags, ignored keys). `True` means a bare flag.
+    """
+    flags, ignored = [], []
+    for key, value in sglang_args.items():
+        if key not in accepted or key in MANAGED_FLAGS:
+            ignored.append(key)
+            continue
+        flags.append("--" + key.replace("_", "-"))
+        if value is not True:
+            flags.append(str(value))
+    return flags, ignored
+
+
 def native_command(args, rank: int, host: str, port: int) -> list[str]:
-    """Command line of the embedded engine for engine `rank`."""
+    """Command line of the embedded engine for engine `rank`.
+
+    `--sglang-*` flags whose names the native engine shares with SGLang's server
+    (max-running-requests, context-length, random-seed, dtype, device, ...) are
+    forwarded and override slime's defaults; the others are ignored with a warning.
+    """
+    from slime.engines.native.__main__ import build_parser
+
+    accepted = {a.dest for a in build_parser()._actions}
+    extra, ignored = forwarded_flags(args.sglang_args, accepted)
+    if ignored:
+        logger.warning("the native engine ignores %s", ", ".join(f"--sglang-{k.replace('_', '-')}" for k in ignored))
     return [
         sys.executable, "-m", "slime.engines.native",
         "--model-path", args.hf_checkpoint,
@@ -45,6 +78,7 @@ def native_command(args, rank: int, host: str, port: int) -> list[str]:
         "--port", str(port),
         "--num-threads", str(num_cpu_threads(args.num_engines)),
         "--random-seed", str(args.seed + rank),
+        *extra,  # argparse keeps the last value, so these override the defaults above
     ]
 
 

@@ -1,0 +1,136 @@
+"""TrainGroup: `args.dp_size` TrainActor Ray actors forming one data-parallel group.
+
+Every method blocks and returns rank 0's result (the ranks agree). A failure in any
+rank is raised at once (the others may be stuck in a collective) with the role and
+rank in the message; a `SlimeError` keeps its type so `run_main` prints one line.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.arguments import num_cpu_threads
+from slime.training.actor import TrainActor
+from slime.utils.errors import SlimeError
+
+MASTER_ADDR = "127.0.0.1"
+
+
+class TrainGroupError(RuntimeError):
+    """A train rank failed; the message names the role, rank and method."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((MASTER_ADDR, 0))
+        return s.getsockname()[1]
+
+
+_RemoteTrainActor = ray.remote(TrainActor)
+
+
+class TrainGroup:
+    def __init__(self, args, role: str = "actor", bundles: list[tuple[PlacementGroup, int]] | None = None):
+        self.args = args
+        self.role = role
+        n = args.dp_size
+        if bundles is not None and len(bundles) < n:
+            raise ValueError(f"TrainGroup needs {n} bundles, got {len(bundles)}")
+        threads = str(num_cpu_threads(n))
+        port = _free_port()
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "MASTER_ADDR": MASTER_ADDR,
+               "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false"}
+        self._actors = []
+        for rank in range(n):
+            opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": dict(env, RANK=str(rank),
+                                                                                    WORLD_SIZE=str(n))}}
+            if bundles is not None:
+                pg, idx = bundles[rank]
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=idx
+                )
+                if pg.bundle_specs[idx].get("GPU", 0) > 0:
+                    opts["num_gpus"] = 0.2 if args.colocate else 1
+            elif ray.cluster_resources().get("GPU", 0) > 0:
+                opts["num_gpus"] = 1
+            self._actors.append(
+                _RemoteTrainActor.options(**opts).remote(args, rank, n, role, MASTER_ADDR, port)
+            )
+
+    def __len__(self) -> int:
+        return len(self._actors)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, method: str, *per_rank_args: list, **kwargs) -> list:
+        """Call `method` on every rank (rank i gets per_rank_args[j][i]); wait for all, fail fast."""
+        refs = [
+            getattr(a, method).remote(*(arg[i] for arg in per_rank_args), **kwargs)
+            for i, a in enumerate(self._actors)
+        ]
+        return self._wait(method, refs)
+
+    def _wait(self, method: str, refs: list) -> list:
+        rank_of = {r: i for i, r in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ref = ready[0]
+            rank = rank_of[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - re-raised with the rank
+                cause = getattr(e, "cause", None) or e
+                msg = f"{self.role} rank {rank}: {method} failed: {type(cause).__name__}: {cause}"
+                if isinstance(cause, SlimeError):
+                    try:
+                        err = type(cause)(msg)
+                    except Exception:  # noqa: BLE001 - an unusual constructor
+                        err = SlimeError(msg)
+                    raise err from e
+                raise TrainGroupError(msg) from e
+        return results
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return self._call(method, *[[a] * len(self._actors) for a in args], **kwargs)
+
+    # ------------------------------------------------------------ API
+
+    def init(self) -> None:
+        self._all("init")
+
+    def train(self, rollout_id: int, batches: list) -> dict[str, float]:
+        """batches[i] (a RolloutBatch or an ObjectRef to one) is rank i's data; returns the metrics."""
+        if len(batches) != len(self._actors):
+            raise ValueError(f"train got {len(batches)} batches for {len(self._actors)} ranks")
+        return self._call("train", [rollout_id] * len(self._actors), list(batches))[0]
+
+    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
+        """Push the current weights to every engine; returns rank 0's
+        {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}."""
+        return self._all("update_weights", list(engine_urls), weight_version)[0]
+
+    def save(self, path: str) -> None:
+        self._all("save", str(path))
+
+    def load(self, path: str) -> None:
+        self._all("load", str(path))
+
+    def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """Full model (and optimizer) state from rank 0, for tests and tools."""
+        return self._all("full_state", optimizer)[0]
+
+    def shutdown(self) -> None:
+        if not self._actors:
+            return
+        refs = [a.shutdown.remote() for a in self._actors]
+        ray.wait(refs, num_returns=len(refs), timeout=30)  # best effort; a stuck rank is killed below
+        for a in self._actors:
+            ray.kill(a)
+        self._actors = []

@@ -1,0 +1,323 @@
+"""FSDP2 training backend over Hugging Face causal LMs.
+
+`torch.distributed.fsdp.fully_shard` is applied to every decoder layer and to the
+root model (which owns the embeddings, final norm and - tied or not - the LM head).
+Parameters stay fp32 (master weights); gloo on CPU, NCCL (+ gloo for CPU tensors)
+on CUDA. The model is kept in eval mode throughout (no dropout), so a no-grad pass
+and a training pass over the same weights give identical log-probs.
+
+Interface used by `slime.training.actor.TrainActor` (DESIGN §4):
+    forward_logprobs(mb, ...) -> (log_probs Tensor[N], entropy Tensor[N] | None)
+    train_step(micro_batches, loss_fn, ...) -> grad_norm
+    named_weights() -> iterator of (HF name, full tensor)   # collective
+    save(path) / load(path)                                   # collective
+    all_reduce_sum(tensor) -> tensor
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
+
+logger = logging.getLogger(__name__)
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+HF_MAX_SHARD_BYTES = 5 * 10**9
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def _distributed_backend(device: torch.device) -> str:
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+class FSDPBackend:
+    """One data-parallel rank of an FSDP2-sharded Hugging Face causal LM plus its optimizer."""
+
+    def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, with_ref: bool = False):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.temperature = args.rollout_temperature if args.rollout_temperature > 0 else 1.0
+
+        self._owns_process_group = False
+        if not dist.is_initialized():
+            if master_port is None:
+                raise ValueError("FSDPBackend needs master_port to create the process group")
+            dist.init_process_group(
+                _distributed_backend(self.device),
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=PROCESS_GROUP_TIMEOUT,
+            )
+            self._owns_process_group = True
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")
+
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        model = AutoModelForCausalLM.from_pretrained(
+            args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        model.eval()
+        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        if self.device.type == "cuda":
+            model.to(self.device)
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        self.model = model
+        self.pad_token_id = _pad_token_id(self.hf_config)
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+        )
+
+        self.ref_model = None
+        if with_ref:
+            ref = AutoModelForCausalLM.from_pretrained(
+                args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+            ).to(self.device)
+            ref.eval()
+            ref.requires_grad_(False)
+            self.ref_model = ref
+
+    # ------------------------------------------------------------ forward
+
+    def forward_logprobs(self, mb, *, grad: bool = False, with_entropy: bool = False,
+                         entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and optionally entropy) of every response token of a micro-batch.
+
+        mb: has `tokens: list[list[int]]` (prompt + response) and `response_lengths`.
+        returns (log_probs Tensor[N], entropy Tensor[N] or None), N = sum(response_lengths),
+        concatenated in sample order, fp32 on the model's device; response token t is
+        scored by the logits at position t-1 divided by the rollout temperature.
+        """
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise RuntimeError("no reference model was built (use_kl_loss is off)")
+        with torch.set_grad_enabled(grad and not ref):
+            return self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
+
+    def _forward(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
+        lens = [len(t) for t in mb.tokens]
+        prompt_lens = [n - r for n, r in zip(lens, mb.response_lengths)]
+        for i, (p, r) in enumerate(zip(prompt_lens, mb.response_lengths)):
+            if p < 1 or r < 0:
+                raise ValueError(f"sample {i} of the micro-batch: {lens[i]} tokens, response length {r} "
+                                 "(a response needs at least one prompt token before it)")
+        b, t = len(lens), max(lens)
+        ids = torch.full((b, t), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((b, t), dtype=torch.long)
+        for i, toks in enumerate(mb.tokens):
+            ids[i, : lens[i]] = torch.as_tensor(toks, dtype=torch.long)
+            attn[i, : lens[i]] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+
+        # logits are needed from the first position that scores a response token on
+        start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
+        kwargs = {"logits_to_keep": t - start} if self._supports_logits_to_keep else {}
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **kwargs).logits  # [B, t-start, V]
+
+        lps, ents = [], []
+        for i in range(b):
+            p, r = prompt_lens[i], mb.response_lengths[i]
+            lg = logits[i, p - 1 - start : p - 1 - start + r]  # [r, V], a view
+            tgt = ids[i, p : p + r]
+            if with_entropy and entropy_grad:
+                lp, ent = compute_log_probs_and_entropy(lg, tgt, self.temperature)
+            else:
+                lp = compute_log_probs(lg, tgt, self.temperature)
+                ent = None
+                if with_entropy:
+                    with torch.no_grad():
+                        ent = compute_entropy(lg.detach(), self.temperature)
+            lps.append(lp)
+            ents.append(ent)
+        log_probs = torch.cat(lps)
+        if log_probs.numel() == 0 and torch.is_grad_enabled():
+            # keep every parameter in the graph so FSDP's backward collectives still run
+            log_probs = log_probs + 0.0 * logits.sum()
+        entropy = torch.cat(ents) if with_entropy else None
+        return log_probs, entropy
+
+    # ------------------------------------------------------------ training
+
+    def train_step(self, micro_batches: list, loss_fn: Callable[[int, Tensor, Tensor], Tensor],
+                   *, entropy_grad: bool = False) -> float:
+        """Forward/backward every micro-batch, clip, optimizer step, zero grad.
+
+        loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) -> scalar loss of micro-batch k,
+        already scaled for accumulation (the backend only sums gradients).
+        returns the total gradient norm before clipping (identical on every rank).
+        """
+        for k, mb in enumerate(micro_batches):
+            lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
+            loss = loss_fn(k, lp, ent)
+            loss.backward()
+        max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = _full(grad_norm).item()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning("rank %d: non-finite grad norm %s, skipping the optimizer step", self.rank, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        t = tensor.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32).clone()
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    # ------------------------------------------------------------ weights
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) for every parameter, tied ones once. Collective: all ranks iterate."""
+        for name, p in self.model.named_parameters():
+            yield name, _full(p.detach()).contiguous()
+
+    def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """Full (unsharded) model and optimizer state dicts on CPU; rank 0 gets them, others
+        get empty dicts. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if optimizer:
+            return get_state_dict(self.model, self.optimizer, options=opts)
+        return get_model_state_dict(self.model, options=opts), None
+
+    def save(self, path: str | Path) -> None:
+        """rank 0: `path/hf` (HF safetensors + config + tokenizer); all ranks: `path/train_state` (DCP)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        model_sd, _ = self.full_state(optimizer=False)
+        if self.rank == 0:
+            self._write_hf(path / "hf", model_sd)
+        del model_sd
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "train_state"))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        """Restore model and optimizer state from `path/train_state` (any DP size)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        state_dir = Path(path) / "train_state"
+        if not state_dir.is_dir():
+            raise FileNotFoundError(f"no training state at {state_dir}")
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(state_dir))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _write_hf(self, out: Path, state_dict: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        src = Path(self.args.hf_checkpoint)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+        self.hf_config.save_pretrained(out)
+
+        # parameters once (a tied LM head is saved as the embedding only) + persistent buffers
+        keep = {n for n, _ in self.model.named_parameters()}
+        keep |= {n for n, _ in self.model.named_buffers() if n in state_dict}
+        tensors = {k: v.contiguous() for k, v in state_dict.items() if k in keep}
+        missing = keep - set(tensors)
+        if missing:
+            raise RuntimeError(f"full state dict lacks {sorted(missing)[:5]}")
+
+        shards: list[dict[str, Tensor]] = [{}]
+        size = 0
+        for k, v in tensors.items():
+            nbytes = v.numel() * v.element_size()
+            if shards[-1] and size + nbytes > HF_MAX_SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+            return
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+
+    def close(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+
+def _full(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a HF causal LM (each gets its own FSDP unit)."""
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in no_split]
+    if layers:
+        return layers
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    return list(layers) if layers is not None else []
+
+
+def _pad_token_id(config) -> int:
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        v = getattr(config, name, None)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    return 0

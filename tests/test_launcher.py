@@ -1,0 +1,29 @@
+import json
+
+from slime.arguments import parse_args
+from slime.engines.launcher import forwarded_flags, native_command
+
+
+def test_sglang_flags_forwarded_to_native_engine(tiny_model_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "x"}) + "\n")
+    args = parse_args([
+        "--hf-checkpoint", tiny_model_dir, "--prompt-data", str(data), "--rollout-batch-size", "1",
+        "--num-rollout", "1", "--seed", "5", "--output-dir", str(tmp_path / "o"),
+        "--sglang-max-running-requests", "16", "--sglang-mem-fraction-static", "0.8",
+        "--sglang-port", "1", "--sglang-random-seed", "9",
+    ])
+    cmd = native_command(args, rank=1, host="127.0.0.1", port=4321)
+    assert cmd[1:3] == ["-m", "slime.engines.native"]
+    assert cmd[cmd.index("--port") + 1] == "4321"  # managed by slime, --sglang-port ignored
+    assert cmd.count("--port") == 1
+    assert cmd[cmd.index("--max-running-requests") + 1] == "16"
+    assert "--mem-fraction-static" not in cmd  # no such native flag
+    # a forwarded flag comes after slime's default, so argparse keeps the user's value
+    seeds = [cmd[i + 1] for i, t in enumerate(cmd) if t == "--random-seed"]
+    assert seeds == ["6", "9"]
+
+
+def test_forwarded_flags_bare_and_valued():
+    flags, ignored = forwarded_flags({"a_b": True, "c": "1", "zz": "2"}, {"a_b", "c"})
+    assert flags == ["--a-b", "--c", "1"] and ignored == ["zz"]
