@@ -1,0 +1,687 @@
+"""The embedded native inference engine: model + continuous-batching scheduler + sampling.
+
+Pure PyTorch over the Hugging Face class the trainer uses
+(`AutoModelForCausalLM`, sdpa attention), so rollout log-probs agree with training.
+
+Scheduler (one dedicated worker thread, `NativeEngine._loop`)::
+
+    while work:
+        retire aborted rows
+        admit waiting requests (bounded by --max-running-requests and a prefill token
+          budget): prefill them together (left padded; identical prompts, e.g. the n
+          samples of one prompt, are prefilled once and their cache rows repeated),
+          sample their first token, merge their KV rows into the running batch
+        one batched decode step for all running rows
+        retire finished rows (index-select them out, trim common left padding)
+
+The running batch is one left-padded KV cache (`transformers.DynamicCache`, one
+`[B, H, S, D]` key/value tensor per layer) with a 2-D attention mask and explicit
+position ids (`cumsum(mask) - 1`), so a padded row gives the same logits as an
+unpadded forward. Each step holds `_step_lock`; weight updates take the same lock
+between steps (and get priority over the next step).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from slime.engines.protocol import (
+    GenerateInput,
+    ProtocolError,
+    SamplingParams,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    output_ids: list[int]
+    text: str
+    finish_reason: dict
+    prompt_tokens: int
+    weight_version: str
+    output_token_logprobs: list[float]
+
+
+Callback = Callable[[GenerationResult | None, BaseException | None], None]
+
+
+@dataclass
+class _Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    callback: Callback
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    stop_text_pos: int | None = None  # where the matched stop string starts in the decoded text
+    aborted: bool = False
+    done: bool = False
+
+
+class NativeEngine:
+    """A continuous-batching generation engine over a Hugging Face causal LM.
+
+    Thread-safe public methods: `submit`, `generate`, `abort`, `update_weights`,
+    `update_weights_from_disk`, `flush_cache`, `pause`, `resume`, `stats`.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_running_requests: int = 128,
+        num_threads: int | None = None,
+        random_seed: int = 0,
+        context_length: int | None = None,
+        max_prefill_tokens: int = 16384,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model path {model_path!r} is not a directory")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        torch.set_num_threads(num_threads or default_num_threads())
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype]
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.random_seed = random_seed
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        import transformers
+
+        major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+        dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, attn_implementation="sdpa", **{dtype_kw: self.dtype}
+        )
+        self.model.to(self.device).eval()
+        cfg = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.max_context_length = int(context_length or getattr(cfg, "max_position_embeddings", None) or 4096)
+        self.eos_token_ids = self._collect_eos_ids()
+        pad = self.tokenizer.pad_token_id
+        if pad is None or not (0 <= pad < self.vocab_size):
+            pad = 0
+        self.pad_token_id = int(pad)
+        self._params_by_name = dict(self.model.state_dict(keep_vars=True))
+
+        self.weight_version = "0"
+        self._engine_generator = torch.Generator(device=self.device)
+        self._engine_generator.manual_seed(random_seed)
+
+        # queues / state guarded by _cv
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[_Req] = collections.deque()
+        self._running: list[_Req] = []  # rows of the batch, in cache order
+        self._admitting: list[_Req] = []  # popped from _waiting, being prefilled
+        self._abort_pending = False
+        self._paused = False
+        self._exclusive_waiters = 0
+        self._stopping = False
+        self._step_lock = threading.Lock()
+        # batch tensors (owned by the worker thread, under _step_lock)
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, S] long
+        self._last_tokens: torch.Tensor | None = None  # [B] long, sampled but not yet in cache
+        self._stats = collections.Counter()
+        self._max_batch = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "NativeEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="native-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._cv:
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+        for r in pending:
+            if not r.done:
+                r.aborted = True
+                self._finish(r, finish_abort("engine shut down"))
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, inp: GenerateInput, callback: Callback) -> None:
+        """Queue one validated request (`inp.input_ids` must be set). `callback(result, error)`
+        is called exactly once, from the worker thread or the calling thread."""
+        assert inp.input_ids is not None, "tokenize text before submit"
+        sp = inp.sampling_params
+        gen = None
+        if sp.seed is not None and not sp.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed % (2**64))
+        req = _Req(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen)
+        if sp.max_new_tokens == 0:
+            self._finish(req, finish_length(0))
+            return
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("engine is shut down")
+            self._stats["requests"] += 1
+            self._waiting.append(req)
+            self._cv.notify_all()
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | SamplingParams | None = None,
+        rid: str | None = None,
+        timeout: float | None = 600.0,
+    ) -> GenerationResult:
+        """Blocking convenience wrapper around `submit` (for in-process use and tests)."""
+        from slime.engines.protocol import check_prompt, parse_sampling_params
+
+        sp = sampling_params if isinstance(sampling_params, SamplingParams) else parse_sampling_params(sampling_params)
+        check_prompt(list(input_ids), self.vocab_size, self.max_context_length)
+        done = threading.Event()
+        box: list = []
+
+        def cb(res, err):
+            box.append((res, err))
+            done.set()
+
+        self.submit(GenerateInput(rid=rid or uuid.uuid4().hex, sampling_params=sp, input_ids=list(input_ids)), cb)
+        if not done.wait(timeout):
+            raise TimeoutError(f"generation did not finish within {timeout}s")
+        res, err = box[0]
+        if err is not None:
+            raise err
+        return res
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort a request by rid (or all). Returns how many were found. Aborted requests
+        return their partial output with finish_reason type 'abort'."""
+        n = 0
+        to_finish = []
+        with self._cv:
+            for r in list(self._waiting):
+                if abort_all or r.rid == rid:
+                    self._waiting.remove(r)
+                    r.aborted = True
+                    to_finish.append(r)
+                    n += 1
+            for r in self._running + self._admitting:
+                if (abort_all or r.rid == rid) and not r.done:
+                    r.aborted = True
+                    n += 1
+                    self._abort_pending = True
+            self._cv.notify_all()
+        for r in to_finish:
+            self._finish(r, finish_abort())
+        return n
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+        with self._step_lock:  # wait for the step in flight
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def flush_cache(self) -> bool:
+        """No prefix cache survives between requests yet, so there is nothing to drop."""
+        return True
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {
+                "num_running_requests": len(self._running),
+                "num_waiting_requests": len(self._waiting),
+                "max_running_batch_size": self._max_batch,
+                "max_running_requests": self.max_running_requests,
+                "total_requests": self._stats["requests"],
+                "total_prefill_tokens": self._stats["prefill_tokens"],
+                "total_generated_tokens": self._stats["generated_tokens"],
+                "prefill_batches": self._stats["prefill_batches"],
+                "shared_prefix_rows": self._stats["shared_prefix_rows"],
+                "decode_steps": self._stats["decode_steps"],
+                "weight_version": self.weight_version,
+                "paused": self._paused,
+            }
+
+    # ------------------------------------------------------------------ weights
+    def _exclusive(self):
+        engine = self
+
+        class _Ctx:
+            def __enter__(self_inner):
+                with engine._cv:
+                    engine._exclusive_waiters += 1
+                engine._step_lock.acquire()
+
+            def __exit__(self_inner, *exc):
+                engine._step_lock.release()
+                with engine._cv:
+                    engine._exclusive_waiters -= 1
+                    engine._cv.notify_all()
+
+        return _Ctx()
+
+    def _check_tensors(self, tensors: dict[str, torch.Tensor], skip_unknown_suffixes=()) -> list[tuple]:
+        pairs = []
+        for name, t in tensors.items():
+            p = self._params_by_name.get(name)
+            if p is None:
+                if any(name.endswith(s) for s in skip_unknown_suffixes):
+                    continue
+                raise ProtocolError(name, "unknown parameter name (not in the model's state dict)")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ProtocolError(name, f"shape mismatch: got {tuple(t.shape)}, model has {tuple(p.shape)}")
+            if not (t.is_floating_point() or not p.is_floating_point()):
+                raise ProtocolError(name, f"dtype mismatch: got {t.dtype}, model has {p.dtype}")
+            pairs.append((p, t))
+        return pairs
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> str:
+        """Copy tensors (by Hugging Face parameter name) into the model in place, between
+        scheduler steps. All names/shapes are checked before anything is copied."""
+        pairs = self._check_tensors(tensors)
+        with self._exclusive():
+            with torch.no_grad():
+                for p, t in pairs:
+                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            self._stats["weight_updates"] += 1
+        return self.weight_version
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+        """Load every *.safetensors file of a Hugging Face directory in place."""
+        from safetensors.torch import load_file
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ProtocolError("model_path", f"{model_path!r} is not a directory")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ProtocolError("model_path", f"no *.safetensors files in {model_path!r}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        pairs = self._check_tensors(tensors, skip_unknown_suffixes=("rotary_emb.inv_freq",))
+        with self._exclusive():
+            with torch.no_grad():
+                for p, t in pairs:
+                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            self.model_path = str(model_path)
+            self._stats["weight_updates"] += 1
+        return self.weight_version
+
+    # ------------------------------------------------------------------ worker
+    def _collect_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+
+        def add(v):
+            if v is None:
+                return
+            if isinstance(v, (list, tuple, set)):
+                for x in v:
+                    add(x)
+            elif isinstance(v, int):
+                ids.add(int(v))
+
+        add(self.tokenizer.eos_token_id)
+        add(getattr(self.model.config, "eos_token_id", None))
+        gc = getattr(self.model, "generation_config", None)
+        if gc is not None:
+            add(getattr(gc, "eos_token_id", None))
+        return ids
+
+    def _has_work(self) -> bool:
+        if self._paused:
+            return self._abort_pending
+        return bool(self._waiting) or bool(self._running) or self._abort_pending
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and (self._exclusive_waiters > 0 or not self._has_work()):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            with self._step_lock:
+                try:
+                    with torch.inference_mode():
+                        self._step()
+                except BaseException as e:  # noqa: BLE001 - fail the batch, keep serving
+                    logger.exception("native engine step failed")
+                    self._fail_all(e)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._cv:
+            rows = list(self._running) + list(self._admitting)
+            self._running = []
+            self._admitting = []
+        self._cache = self._mask = self._last_tokens = None
+        for r in rows:
+            if not r.done:
+                r.done = True
+                try:
+                    r.callback(None, err)
+                except Exception:  # noqa: BLE001
+                    logger.exception("callback failed")
+
+    def _step(self) -> None:
+        with self._cv:
+            self._abort_pending = False
+            paused = self._paused
+        # 1. aborted rows leave the batch
+        if any(r.aborted for r in self._running):
+            for r in self._running:
+                if r.aborted and r.finish is None:
+                    r.finish = finish_abort()
+            self._retire()
+        if paused:
+            return
+        # 2. admit
+        admitted = []
+        with self._cv:
+            budget = self.max_prefill_tokens
+            while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
+                nxt = self._waiting[0]
+                if admitted and len(nxt.input_ids) > budget:
+                    break
+                budget -= len(nxt.input_ids)
+                admitted.append(self._waiting.popleft())
+            self._admitting = admitted
+        if admitted:
+            self._prefill(admitted)
+            self._retire()
+        # 3. one decode step for the running batch
+        if self._running:
+            self._decode()
+            self._retire()
+
+    # ---- batch tensor plumbing
+    def _prefill(self, reqs: list[_Req]) -> None:
+        # identical prompts (n samples of one prompt) are prefilled once
+        uniq: dict[tuple, int] = {}
+        row_of = []
+        prompts = []
+        for r in reqs:
+            key = tuple(r.input_ids)
+            if key not in uniq:
+                uniq[key] = len(prompts)
+                prompts.append(r.input_ids)
+            row_of.append(uniq[key])
+        n, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, L), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, L), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, L - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :].float()
+        cache = out.past_key_values
+        layers = _layers(cache)
+        if len(prompts) != len(reqs):
+            index = torch.tensor(row_of, dtype=torch.long, device=self.device)
+            for layer in layers:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+            mask = mask.index_select(0, index)
+            logits = logits.index_select(0, index)
+        with self._cv:
+            self._stats["prefill_tokens"] += sum(len(p) for p in prompts)
+            self._stats["prefill_batches"] += 1
+            self._stats["shared_prefix_rows"] += len(reqs) - len(prompts)
+        tokens = self._sample(logits, reqs)
+        # merge into the running batch
+        if self._cache is None:
+            self._cache, self._mask, self._last_tokens = cache, mask, tokens
+        else:
+            S, P = self._mask.shape[1], mask.shape[1]
+            T = max(S, P)
+            for old, new in zip(_layers(self._cache), layers):
+                old.keys = torch.cat([_left_pad(old.keys, T), _left_pad(new.keys, T)], 0)
+                old.values = torch.cat([_left_pad(old.values, T), _left_pad(new.values, T)], 0)
+            self._mask = torch.cat([_left_pad_mask(self._mask, T), _left_pad_mask(mask, T)], 0)
+            self._last_tokens = torch.cat([self._last_tokens, tokens], 0)
+        with self._cv:
+            self._running.extend(reqs)
+            self._admitting = []
+            self._max_batch = max(self._max_batch, len(self._running))
+        self._append_tokens(reqs, tokens)
+
+    def _decode(self) -> None:
+        B = len(self._running)
+        ones = torch.ones((B, 1), dtype=torch.long, device=self.device)
+        pos = self._mask.sum(-1, keepdim=True)
+        mask = torch.cat([self._mask, ones], 1)
+        out = self.model(
+            input_ids=self._last_tokens.view(B, 1),
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._mask = mask
+        logits = out.logits[:, -1, :].float()
+        tokens = self._sample(logits, self._running)
+        self._last_tokens = tokens
+        with self._cv:
+            self._stats["decode_steps"] += 1
+        self._append_tokens(self._running, tokens)
+
+    def _retire(self) -> None:
+        """Finish rows that have a finish reason; drop them from the batch tensors."""
+        rows = self._running
+        keep = [i for i, r in enumerate(rows) if r.finish is None]
+        if len(keep) == len(rows):
+            return
+        finished = [r for r in rows if r.finish is not None]
+        with self._cv:
+            self._running = [rows[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = self._last_tokens = None
+        else:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            mask = self._mask.index_select(0, index)
+            start = int(mask.any(0).nonzero()[0].item())  # trim common left padding
+            mask = mask[:, start:]
+            for layer in _layers(self._cache):
+                layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+                layer.values = layer.values.index_select(0, index)[:, :, start:]
+            self._mask = mask
+            self._last_tokens = self._last_tokens.index_select(0, index)
+        for r in finished:
+            self._finish(r, r.finish)
+
+    # ---- sampling
+    def _sample(self, logits: torch.Tensor, reqs: list[_Req]) -> torch.Tensor:
+        """Sample one token per row. Returns [B] long on device; stores per-row log-probs
+        (of the sampled token under log_softmax(logits / T), before truncation)."""
+        B, V = logits.shape
+        temps = torch.tensor([r.params.logprob_temperature for r in reqs], dtype=torch.float32, device=logits.device)
+        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+        tokens = logits.argmax(-1)
+        sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sample_rows:
+            idx = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
+            probs = logp.index_select(0, idx).exp()
+            sub = [reqs[i].params for i in sample_rows]
+            need_k = any(p.top_k != -1 and p.top_k < V for p in sub)
+            need_p = any(p.top_p < 1.0 for p in sub)
+            if need_k or need_p:
+                sp, si = probs.sort(-1, descending=True)
+                if need_p:
+                    top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=logits.device)
+                    cum = sp.cumsum(-1)
+                    sp = sp.masked_fill((cum - sp) > top_p[:, None], 0.0)
+                if need_k:
+                    ks = torch.tensor([p.top_k if p.top_k != -1 else V for p in sub], device=logits.device)
+                    ranks = torch.arange(V, device=logits.device)
+                    sp = sp.masked_fill(ranks[None, :] >= ks[:, None], 0.0)
+            else:
+                sp, si = probs, None
+            chosen = torch.empty(len(sample_rows), dtype=torch.long, device=logits.device)
+            shared = [j for j, i in enumerate(sample_rows) if reqs[i].generator is None]
+            if shared:
+                js = torch.tensor(shared, dtype=torch.long, device=logits.device)
+                chosen[js] = torch.multinomial(sp.index_select(0, js), 1, generator=self._engine_generator).view(-1)
+            for j, i in enumerate(sample_rows):
+                g = reqs[i].generator
+                if g is not None:
+                    chosen[j] = torch.multinomial(sp[j : j + 1], 1, generator=g).view(-1)[0]
+            if si is not None:
+                chosen = si.gather(1, chosen[:, None]).view(-1)
+            tokens[idx] = chosen
+        token_lp = logp.gather(1, tokens[:, None]).view(-1)
+        for r, lp in zip(reqs, token_lp.tolist()):
+            r.logprobs.append(lp)
+        return tokens
+
+    def _append_tokens(self, reqs: list[_Req], tokens: torch.Tensor) -> None:
+        n = 0
+        for r, t in zip(reqs, tokens.tolist()):
+            r.output_ids.append(t)
+            n += 1
+            if r.finish is not None:
+                continue
+            if r.aborted:
+                r.finish = finish_abort()
+                continue
+            sp = r.params
+            total = len(r.input_ids) + len(r.output_ids)
+            # same order as SGLang: length, then EOS / stop tokens (unless ignore_eos), then stop strings
+            if len(r.output_ids) >= sp.max_new_tokens or total >= self.max_context_length:
+                r.finish = finish_length(len(r.output_ids))
+            elif not sp.ignore_eos and (t in self.eos_token_ids or t in sp.stop_token_ids):
+                r.finish = finish_stop(t)
+            elif sp.stop:
+                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=sp.skip_special_tokens)
+                best = None
+                for s in sp.stop:
+                    k = text.find(s)
+                    if k >= 0 and (best is None or k < best[0]):
+                        best = (k, s)
+                if best is not None:
+                    r.stop_text_pos = best[0]
+                    r.finish = finish_stop(best[1])
+        with self._cv:
+            self._stats["generated_tokens"] += n
+
+    def _finish(self, r: _Req, finish: dict) -> None:
+        if r.done:
+            return
+        r.done = True
+        try:
+            sp = r.params
+            ids = r.output_ids
+            # logprobs/output_ids may be one longer than each other only transiently
+            lps = r.logprobs[: len(ids)]
+            matched = finish.get("matched")
+            text_ids = ids
+            if isinstance(matched, int) and finish["type"] == "stop" and not sp.no_stop_trim and ids:
+                text_ids = ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
+            if isinstance(matched, str) and not sp.no_stop_trim and r.stop_text_pos is not None:
+                text = text[: r.stop_text_pos]
+            res = GenerationResult(
+                rid=r.rid,
+                output_ids=list(ids),
+                text=text,
+                finish_reason=finish,
+                prompt_tokens=len(r.input_ids),
+                weight_version=self.weight_version,
+                output_token_logprobs=list(lps),
+            )
+        except BaseException as e:  # noqa: BLE001
+            r.callback(None, e)
+            return
+        try:
+            r.callback(res, None)
+        except Exception:  # noqa: BLE001
+            logger.exception("callback failed")
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+
+def default_num_threads() -> int:
+    """OMP_NUM_THREADS when set, else the CPUs this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _layers(cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise RuntimeError("this transformers version's DynamicCache has no .layers; need transformers >= 4.56")
+    for layer in layers:
+        if type(layer).__name__ != "DynamicLayer":
+            raise RuntimeError(f"unsupported KV cache layer type {type(layer).__name__} for batching")
+    return layers
+
+
+def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
+    s = x.shape[-2]
+    if s == T:
+        return x
+    pad = x.new_zeros(x.shape[:-2] + (T - s, x.shape[-1]))
+    return torch.cat([pad, x], dim=-2)
+
+
+def _left_pad_mask(m: torch.Tensor, T: int) -> torch.Tensor:
+    s = m.shape[1]
+    if s == T:
+        return m
+    return torch.cat([m.new_zeros((m.shape[0], T - s)), m], dim=1)

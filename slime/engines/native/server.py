@@ -1,0 +1,261 @@
+"""aiohttp server exposing a `NativeEngine` over SGLang's native HTTP protocol.
+
+The event loop only parses, validates and waits: compute runs in the engine's worker
+thread, so `/health` answers while a batch is generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from slime.engines.native.engine import GenerationResult, NativeEngine
+from slime.engines.protocol import (
+    ProtocolError,
+    build_generate_response,
+    check_prompt,
+    error_body,
+    parse_abort_request,
+    parse_bool_param,
+    parse_generate_request,
+    parse_json_body,
+    parse_update_weights_from_disk,
+    parse_weight_version,
+)
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KEY = web.AppKey("engine", NativeEngine)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return web.json_response(error_body(e), status=400)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}"), status=e.status)
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
+        logger.exception("error serving %s", request.path)
+        return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
+
+
+def _submit(engine: NativeEngine, inp) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def _set(res, err):
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(res)
+
+    def cb(res, err):
+        try:
+            loop.call_soon_threadsafe(_set, res, err)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            pass
+
+    engine.submit(inp, cb)
+    return fut
+
+
+async def _json_body(request: web.Request, allow_empty: bool = False):
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ProtocolError("body", "empty request body; expected a JSON object")
+    return parse_json_body(raw)
+
+
+def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
+    texts = engine.token_texts(res.output_ids) if (inp.return_logprob and inp.return_text_in_logprobs) else None
+    return build_generate_response(
+        rid=res.rid,
+        text=res.text,
+        output_ids=res.output_ids,
+        finish_reason=res.finish_reason,
+        prompt_tokens=res.prompt_tokens,
+        weight_version=res.weight_version,
+        output_token_logprobs=res.output_token_logprobs,
+        return_logprob=inp.return_logprob,
+        logprob_token_texts=texts,
+    )
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    inputs, is_batch = parse_generate_request(await _json_body(request))
+    for k, inp in enumerate(inputs):
+        name = "input_ids" if inp.text is None else "text"
+        if is_batch:
+            name = f"{name}[{k}]"
+        if inp.text is not None:
+            inp.input_ids = engine.tokenizer.encode(inp.text)
+        check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
+    futs = [_submit(engine, inp) for inp in inputs]
+    try:
+        results = await asyncio.gather(*futs)
+    except asyncio.CancelledError:  # client went away: free the engine's rows
+        for inp in inputs:
+            engine.abort(inp.rid)
+        raise
+    out = [_response(engine, inp, res) for inp, res in zip(inputs, results)]
+    return web.json_response(out if is_batch else out[0])
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    from slime.engines.protocol import GenerateInput, SamplingParams
+
+    engine = request.app[ENGINE_KEY]
+    tok = engine.tokenizer.bos_token_id
+    if tok is None or not (0 <= tok < engine.vocab_size):
+        tok = 0
+    inp = GenerateInput(
+        rid=f"health-{time.monotonic_ns()}",
+        sampling_params=SamplingParams(temperature=0.0, max_new_tokens=1),
+        input_ids=[tok],
+    )
+    try:
+        await asyncio.wait_for(_submit(engine, inp), timeout=120)
+    except asyncio.TimeoutError:
+        engine.abort(inp.rid)
+        return web.json_response(error_body("health generation timed out"), status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path,
+            "is_generation": True,
+            "max_context_length": engine.max_context_length,
+            "vocab_size": engine.vocab_size,
+            "weight_version": engine.weight_version,
+        }
+    )
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    info = engine.stats()
+    info.update(
+        {
+            "engine": "slime-native",
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.tokenizer_path,
+            "dtype": str(engine.dtype).replace("torch.", ""),
+            "device": str(engine.device),
+            "max_context_length": engine.max_context_length,
+            "max_prefill_tokens": engine.max_prefill_tokens,
+            "random_seed": engine.random_seed,
+        }
+    )
+    return web.json_response(info)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[ENGINE_KEY].weight_version})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].flush_cache()
+    return web.json_response({"success": True, "message": "Cache flushed."})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    rid, abort_all = parse_abort_request(await _json_body(request))
+    n = request.app[ENGINE_KEY].abort(rid=rid, abort_all=abort_all)
+    return web.json_response({"success": True, "num_aborted": n})
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE_KEY].pause)
+    return web.json_response({"success": True})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[ENGINE_KEY].resume()
+    return web.json_response({"success": True})
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    ctype = request.content_type or ""
+    if ctype == "application/json":
+        raise ProtocolError(
+            "body",
+            "the native engine takes the binary form: POST the bytes of "
+            "safetensors.torch.save({name: tensor}) with Content-Type application/octet-stream",
+        )
+    version = parse_weight_version(request.query.get("weight_version"))
+    flush = parse_bool_param(request.query.get("flush_cache"), "flush_cache", True)
+    data = await request.read()
+    if not data:
+        raise ProtocolError("body", "empty body; expected safetensors bytes")
+
+    def _load_and_apply():
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+        except Exception as e:  # noqa: BLE001
+            raise ProtocolError("body", f"not a safetensors payload: {e}") from None
+        v = engine.update_weights(tensors, weight_version=version)
+        if flush:
+            engine.flush_cache()
+        return v, len(tensors)
+
+    v, n = await asyncio.get_running_loop().run_in_executor(None, _load_and_apply)
+    return web.json_response({"success": True, "weight_version": v, "num_tensors": n, "message": "Succeeded."})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    path, version = parse_update_weights_from_disk(await _json_body(request))
+    v = await asyncio.get_running_loop().run_in_executor(None, engine.update_weights_from_disk, path, version)
+    return web.json_response({"success": True, "weight_version": v, "message": "Succeeded to update model weights."})
+
+
+def create_app(engine: NativeEngine, shutdown_engine: bool = True) -> web.Application:
+    """An aiohttp application serving `engine` (started here if it is not running)."""
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
+    app[ENGINE_KEY] = engine
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    engine.start()
+
+    if shutdown_engine:
+
+        async def _cleanup(app):
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+        app.on_cleanup.append(_cleanup)
+    return app

@@ -1,0 +1,283 @@
+"""EngineClient and the sync helpers: retries, timeouts, error messages; and a round trip
+against the real native engine served by `python -m slime.engines.native`."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json, wait_until_healthy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeEngine:
+    """An aiohttp server in a background thread with scripted endpoints and hit counters."""
+
+    def __init__(self):
+        self.hits: dict[str, int] = {}
+        self.flaky_failures = 2
+        self.last_body = None
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _count(self, request):
+        self.hits[request.path] = self.hits.get(request.path, 0) + 1
+        return self.hits[request.path]
+
+    def _app(self):
+        async def health(request):
+            self._count(request)
+            return web.json_response({"status": "ok"})
+
+        async def generate(request):
+            self._count(request)
+            body = await request.json()
+            return web.json_response({"text": "hi", "output_ids": [1], "meta_info": {"echo": body}})
+
+        async def bad(request):
+            self._count(request)
+            return web.json_response({"error": {"message": "sampling_params.top_p: must be in (0, 1]"}}, status=400)
+
+        async def flaky(request):
+            n = self._count(request)
+            if n <= self.flaky_failures:
+                return web.json_response({"error": {"message": "overloaded"}}, status=503)
+            return web.json_response({"ok": n})
+
+        async def slow(request):
+            self._count(request)
+            await asyncio.sleep(5)
+            return web.json_response({})
+
+        async def text(request):
+            self._count(request)
+            return web.Response(text="Cache flushed.")
+
+        async def empty(request):
+            self._count(request)
+            return web.Response(status=200)
+
+        async def upload(request):
+            self._count(request)
+            data = await request.read()
+            self.last_body = data
+            return web.json_response({"n": len(data), "query": dict(request.query),
+                                      "ctype": request.content_type})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/generate", generate)
+        app.router.add_route("*", "/bad", bad)
+        app.router.add_route("*", "/flaky", flaky)
+        app.router.add_route("*", "/slow", slow)
+        app.router.add_route("*", "/text", text)
+        app.router.add_route("*", "/empty", empty)
+        app.router.add_post("/upload", upload)
+        return app
+
+    def _run(self):
+        asyncio.set_event_loop(self._loop)
+        self._runner = web.AppRunner(self._app(), shutdown_timeout=0.2)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def start(self):
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def stop(self):
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def fake():
+    f = FakeEngine().start()
+    yield f
+    f.stop()
+
+
+def _fast_client(url, **kw) -> EngineClient:
+    c = EngineClient(url, **kw)
+    c.backoff_base = 0.01
+    return c
+
+
+async def _and_close(client, coro):
+    try:
+        return await coro
+    finally:
+        await client.close()
+
+
+def test_generate_get_post_and_session_reuse(fake):
+    async def main():
+        c = _fast_client(fake.url)
+        try:
+            out = await c.generate({"input_ids": [1, 2]})
+            s1 = c._session
+            assert (await c.get("/health")) == {"status": "ok"}
+            assert (await c.post("/text")) == {"text": "Cache flushed."}
+            assert (await c.post("/empty", None)) == {}
+            assert c._session is s1
+            return out
+        finally:
+            await c.close()
+
+    out = asyncio.run(main())
+    assert out["meta_info"]["echo"] == {"input_ids": [1, 2]}
+    # a client can be reused from a new event loop (a fresh session is made there)
+    c = _fast_client(fake.url)
+    assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
+    assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
+    # ... even if it was not closed in the old one (the stale session is dropped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        assert asyncio.run(c.get("/health")) == {"status": "ok"}
+        assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
+        gc.collect()
+    assert fake.hits["/health"] == 5
+
+
+def test_4xx_is_not_retried_and_names_everything(fake):
+    c = _fast_client(fake.url, max_retries=3)
+    with pytest.raises(EngineError) as ei:
+        asyncio.run(_and_close(c, c.post("/bad", {"x": 1})))
+    msg = str(ei.value)
+    assert fake.url in msg and "/bad" in msg and "400" in msg and "sampling_params.top_p" in msg
+    assert ei.value.status == 400 and ei.value.endpoint == "/bad"
+    assert ei.value.server_message == "sampling_params.top_p: must be in (0, 1]"
+    assert fake.hits["/bad"] == 1
+
+
+def test_5xx_is_retried(fake):
+    c = _fast_client(fake.url, max_retries=3)
+    assert asyncio.run(_and_close(c, c.post("/flaky"))) == {"ok": 3}
+    assert fake.hits["/flaky"] == 3
+    fake.hits.clear()
+    c = _fast_client(fake.url, max_retries=1)
+    with pytest.raises(EngineError) as ei:
+        asyncio.run(_and_close(c, c.post("/flaky")))
+    assert ei.value.status == 503 and "overloaded" in str(ei.value) and "2 attempts" in str(ei.value)
+    assert fake.hits["/flaky"] == 2
+
+
+def test_timeout_raises_instead_of_hanging(fake):
+    c = _fast_client(fake.url, timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="timed out") as ei:
+        asyncio.run(_and_close(c, c.get("/slow")))
+    assert time.monotonic() - t0 < 3
+    assert "/slow" in str(ei.value) and fake.hits["/slow"] == 1  # a read timeout is not retried
+
+
+def test_connection_refused_is_retried_then_raises():
+    url = f"http://127.0.0.1:{_free_port()}"
+    c = _fast_client(url, max_retries=2, connect_timeout=1)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as ei:
+        asyncio.run(_and_close(c, c.generate({"input_ids": [1]})))
+    assert time.monotonic() - t0 < 5
+    msg = str(ei.value)
+    assert url in msg and "/generate" in msg and "connection" in msg.lower() and "3 attempts" in msg
+    assert ei.value.status is None
+
+
+def test_sync_helpers(fake):
+    assert get_json(fake.url, "/health", timeout=5) == {"status": "ok"}
+    out = post_bytes(fake.url, "/upload", b"\x00\x01abc", params={"weight_version": "3", "flush_cache": False},
+                     timeout=5)
+    assert out == {"n": 5, "query": {"weight_version": "3", "flush_cache": "false"},
+                   "ctype": "application/octet-stream"}
+    assert fake.last_body == b"\x00\x01abc"
+    with pytest.raises(EngineError) as ei:
+        post_json(fake.url, "/bad", {}, timeout=5)
+    assert ei.value.status == 400 and "sampling_params.top_p" in str(ei.value) and fake.url in str(ei.value)
+    with pytest.raises(EngineError, match="/health"):
+        get_json(f"http://127.0.0.1:{_free_port()}", "/health", timeout=2)
+    wait_until_healthy(fake.url, timeout=5)
+
+
+def test_wait_until_healthy_failures():
+    url = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as ei:
+        wait_until_healthy(url, timeout=0.6)
+    assert url in str(ei.value) and time.monotonic() - t0 < 3
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    try:
+        with pytest.raises(EngineError) as ei:
+            wait_until_healthy(url, timeout=30, process=proc)
+        assert url in str(ei.value) and "code 3" in str(ei.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(EngineError, match="still running"):
+            wait_until_healthy(url, timeout=0.5, process=sleeper)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.fixture(scope="module")
+def native_server(tiny_model_dir):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slime.engines.native", "--model-path", tiny_model_dir, "--port", str(port),
+         "--num-threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=120, process=proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_client_against_native_engine(native_server):
+    async def main():
+        async with EngineClient(native_server, timeout=60) as c:
+            outs = await asyncio.gather(*[
+                c.generate({"input_ids": [5, 6, i + 7], "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "seed": i}})
+                for i in range(8)
+            ])
+            with pytest.raises(EngineError) as ei:
+                await c.generate({"input_ids": [5], "sampling_params": {"top_p": 2}})
+            info = await c.get("/get_model_info")
+            return outs, ei.value, info
+
+    outs, err, info = asyncio.run(main())
+    assert all(len(o["output_ids"]) == 6 and len(o["meta_info"]["output_token_logprobs"]) == 6 for o in outs)
+    assert err.status == 400 and "sampling_params.top_p" in str(err) and native_server in str(err)
+    assert info["is_generation"] is True
