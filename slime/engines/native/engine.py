@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from slime.engines.native.batch_cache import cache_layers, left_pad, left_pad_mask
+from slime.engines.native.sampling import sample_next_tokens
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -466,7 +468,7 @@ class NativeEngine:
         )
         logits = out.logits[:, -1, :].float()
         cache = out.past_key_values
-        layers = _layers(cache)
+        layers = cache_layers(cache)
         if len(prompts) != len(reqs):
             index = torch.tensor(row_of, dtype=torch.long, device=self.device)
             for layer in layers:
@@ -485,10 +487,10 @@ class NativeEngine:
         else:
             S, P = self._mask.shape[1], mask.shape[1]
             T = max(S, P)
-            for old, new in zip(_layers(self._cache), layers):
-                old.keys = torch.cat([_left_pad(old.keys, T), _left_pad(new.keys, T)], 0)
-                old.values = torch.cat([_left_pad(old.values, T), _left_pad(new.values, T)], 0)
-            self._mask = torch.cat([_left_pad_mask(self._mask, T), _left_pad_mask(mask, T)], 0)
+            for old, new in zip(cache_layers(self._cache), layers):
+                old.keys = torch.cat([left_pad(old.keys, T), left_pad(new.keys, T)], 0)
+                old.values = torch.cat([left_pad(old.values, T), left_pad(new.values, T)], 0)
+            self._mask = torch.cat([left_pad_mask(self._mask, T), left_pad_mask(mask, T)], 0)
             self._last_tokens = torch.cat([self._last_tokens, tokens], 0)
         with self._cv:
             self._running.extend(reqs)
@@ -532,7 +534,7 @@ class NativeEngine:
             mask = self._mask.index_select(0, index)
             start = int(mask.any(0).nonzero()[0].item())  # trim common left padding
             mask = mask[:, start:]
-            for layer in _layers(self._cache):
+            for layer in cache_layers(self._cache):
                 layer.keys = layer.keys.index_select(0, index)[:, :, start:]
                 layer.values = layer.values.index_select(0, index)[:, :, start:]
             self._mask = mask
@@ -542,44 +544,10 @@ class NativeEngine:
 
     # ---- sampling
     def _sample(self, logits: torch.Tensor, reqs: list[_Req]) -> torch.Tensor:
-        """Sample one token per row. Returns [B] long on device; stores per-row log-probs
-        (of the sampled token under log_softmax(logits / T), before truncation)."""
-        B, V = logits.shape
-        temps = torch.tensor([r.params.logprob_temperature for r in reqs], dtype=torch.float32, device=logits.device)
-        logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-        tokens = logits.argmax(-1)
-        sample_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sample_rows:
-            idx = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)
-            probs = logp.index_select(0, idx).exp()
-            sub = [reqs[i].params for i in sample_rows]
-            need_k = any(p.top_k != -1 and p.top_k < V for p in sub)
-            need_p = any(p.top_p < 1.0 for p in sub)
-            if need_k or need_p:
-                sp, si = probs.sort(-1, descending=True)
-                if need_p:
-                    top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=logits.device)
-                    cum = sp.cumsum(-1)
-                    sp = sp.masked_fill((cum - sp) > top_p[:, None], 0.0)
-                if need_k:
-                    ks = torch.tensor([p.top_k if p.top_k != -1 else V for p in sub], device=logits.device)
-                    ranks = torch.arange(V, device=logits.device)
-                    sp = sp.masked_fill(ranks[None, :] >= ks[:, None], 0.0)
-            else:
-                sp, si = probs, None
-            chosen = torch.empty(len(sample_rows), dtype=torch.long, device=logits.device)
-            shared = [j for j, i in enumerate(sample_rows) if reqs[i].generator is None]
-            if shared:
-                js = torch.tensor(shared, dtype=torch.long, device=logits.device)
-                chosen[js] = torch.multinomial(sp.index_select(0, js), 1, generator=self._engine_generator).view(-1)
-            for j, i in enumerate(sample_rows):
-                g = reqs[i].generator
-                if g is not None:
-                    chosen[j] = torch.multinomial(sp[j : j + 1], 1, generator=g).view(-1)[0]
-            if si is not None:
-                chosen = si.gather(1, chosen[:, None]).view(-1)
-            tokens[idx] = chosen
-        token_lp = logp.gather(1, tokens[:, None]).view(-1)
+        """Sample one token per row and record each row's log-prob of it."""
+        tokens, token_lp = sample_next_tokens(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], self._engine_generator
+        )
         for r, lp in zip(reqs, token_lp.tolist()):
             r.logprobs.append(lp)
         return tokens
@@ -660,28 +628,3 @@ def default_num_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-def _layers(cache) -> list:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise RuntimeError("this transformers version's DynamicCache has no .layers; need transformers >= 4.56")
-    for layer in layers:
-        if type(layer).__name__ != "DynamicLayer":
-            raise RuntimeError(f"unsupported KV cache layer type {type(layer).__name__} for batching")
-    return layers
-
-
-def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
-    s = x.shape[-2]
-    if s == T:
-        return x
-    pad = x.new_zeros(x.shape[:-2] + (T - s, x.shape[-1]))
-    return torch.cat([pad, x], dim=-2)
-
-
-def _left_pad_mask(m: torch.Tensor, T: int) -> torch.Tensor:
-    s = m.shape[1]
-    if s == T:
-        return m
-    return torch.cat([m.new_zeros((m.shape[0], T - s)), m], dim=1)
