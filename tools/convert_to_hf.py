@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Training checkpoint -> a Hugging Face directory that `transformers` loads.
+
+    python tools/convert_to_hf.py --input-dir CKPT --output-dir OUT [--origin-hf-dir DIR] [--vocab-size N]
+
+CKPT is a `--save` directory (its `latest` checkpoint is used) or one
+`rollout_<id>` directory in it. The weights come from the checkpoint's training
+state (`train_state/`, the torch DCP directory every rank wrote), so the
+conversion does not depend on the HF copy written next to it. The config and
+tokenizer come from `--origin-hf-dir`, default the checkpoint's own `hf/`.
+`--vocab-size` trims embedding rows padded beyond the tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime.utils.errors import SlimeError, run_main  # noqa: E402
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    from slime import checkpoint
+
+    if (path / "meta.json").is_file():
+        return path
+    found = checkpoint.latest(path) if path.is_dir() else None
+    if found is None:
+        raise SlimeError(f"--input-dir {path}: not a checkpoint (no meta.json) and no {checkpoint.LATEST} file in it")
+    return found
+
+
+def load_model_state(train_state: Path) -> dict:
+    """The model part of a DCP directory as full tensors, read in this process (no process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not train_state.is_dir():
+        raise SlimeError(f"{train_state} does not exist (was the checkpoint written by slime --save?)")
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(train_state), str(flat))
+        state = torch.load(flat, map_location="cpu", weights_only=False)
+    return state["model"]
+
+
+def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | Path | None = None,
+            vocab_size: int | None = None) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = resolve_checkpoint(Path(input_dir))
+    origin = Path(origin_hf_dir) if origin_hf_dir else ckpt / "hf"
+    if not (origin / "config.json").is_file():
+        raise SlimeError(f"--origin-hf-dir {origin}: no config.json")
+    state = load_model_state(ckpt / "train_state")
+    config = AutoConfig.from_pretrained(origin)
+    if vocab_size is not None:
+        rows = state["model.embed_tokens.weight"].shape[0]
+        if vocab_size > rows:
+            raise SlimeError(f"--vocab-size {vocab_size} is larger than the checkpoint's {rows} embedding rows")
+        for name in _VOCAB_ROWS:
+            if name in state:
+                state[name] = state[name][:vocab_size].clone()
+        config.vocab_size = vocab_size
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+        model.tie_weights()
+    if missing or unexpected:
+        raise SlimeError(f"{ckpt}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in origin.iterdir():  # tokenizer and other non-weight files
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES) \
+                and not f.name.endswith(".index.json") and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input-dir", required=True, help="a --save directory or one rollout_<id> checkpoint in it")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--origin-hf-dir", default=None, help="config + tokenizer source (default: the checkpoint's hf/)")
+    p.add_argument("--vocab-size", type=int, default=None, help="trim padded embedding rows to this vocabulary size")
+    args = p.parse_args()
+    print(convert(args.input_dir, args.output_dir, args.origin_hf_dir, args.vocab_size))
+
+
+if __name__ == "__main__":
+    run_main(main)
