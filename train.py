@@ -31,10 +31,12 @@ def main() -> None:
     engine_urls = ray.get(rollout.init.remote())
 
     # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
-    actor = TrainGroup(args, role="actor", bundles=[(pgs.pg, b) for b in pgs.actor_bundles])
+    bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
+    critic = TrainGroup(args, role="critic", bundles=bundles) if args.use_critic else None  # PPO value model
+    actor = TrainGroup(args, role="actor", bundles=bundles, critic=critic)
     actor.init()
     start_rollout_id = checkpoint.load(args, actor, rollout)
-    logger = MetricsLogger(args.output_dir)
+    logger = MetricsLogger.from_args(args)
     print(f"slime: {args.num_engines} engine(s) at {', '.join(engine_urls)}; "
           f"{args.dp_size} train rank(s); metrics in {logger.path}")
 

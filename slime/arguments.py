@@ -22,7 +22,10 @@ from slime.utils.errors import SlimeConfigError
 
 SGLANG_PREFIX = "--sglang-"
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ADVANTAGE_ESTIMATORS = ("grpo",)
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
+POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
 RM_TYPES = ("math", "exact")
 
 
@@ -129,6 +132,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None, help="upper clip (default: --eps-clip)")
     g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--eps-clip-c", type=float, default=None,
+                   help="dual-clip PPO: cap the loss of negative-advantage tokens at -A * eps_clip_c (> 1)")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL(policy || ref) penalty in the reward, before advantages (ppo, reinforce_plus_plus*)")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount (ppo GAE, reinforce_plus_plus)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (ppo)")
+    g.add_argument("--normalize-advantages", action="store_true",
+                   help="whiten advantages over the rollout's loss-mask tokens (all ranks)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_false", dest="grpo_std_normalization",
+                   help="center GRPO-style group rewards without dividing by the std (Dr. GRPO)")
+    g.add_argument("--disable-rewards-normalization", action="store_false", dest="rewards_normalization",
+                   help="train on the raw rewards (no group normalization)")
+    g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
+                   help="how per-token losses of a step are averaged (docs/algorithms.md)")
+    g.add_argument("--custom-loss-function-path", default=None,
+                   help="dotted path of a per-token policy loss replacing the estimator's (docs/algorithms.md)")
+    g.add_argument("--custom-advantage-function-path", default=None,
+                   help="dotted path of an advantage function replacing the estimator's (docs/algorithms.md)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="PPO critic: clip range of the value loss")
+    g.add_argument("--critic-lr", type=float, default=None, help="PPO critic learning rate (default: --lr)")
+    g.add_argument("--custom-reward-post-process-path", default=None,
+                   help="dotted path: (args, samples) -> training rewards, replacing group normalization")
+    g.add_argument("--dynamic-sampling-filter-path", default=None,
+                   help="dotted path: (args, group samples) -> keep?; e.g. "
+                        "slime.rollout.filters.check_reward_nonzero_std (DAPO dynamic sampling)")
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="prompts launched per sampling round (default: --rollout-batch-size)")
+    g.add_argument("--dynamic-sampling-max-rounds", type=int, default=8,
+                   help="sampling rounds before rejected groups fill what the filter left short")
+    g.add_argument("--overlong-buffer-len", type=int, default=0,
+                   help="DAPO soft overlong punishment: length of the penalty ramp before --rollout-max-response-len")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0,
+                   help="reward penalty at --rollout-max-response-len (with --overlong-buffer-len)")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-prompt-data", nargs="+", default=None,
@@ -143,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--output-dir", default=None, help="metrics and logs (default: a new folder under ./outputs)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--use-wandb", action="store_true", help="also log metrics to Weights & Biases")
+    g.add_argument("--wandb-project", default="slime")
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--wandb-run-name", default=None, help="default: the output folder's name")
+    g.add_argument("--wandb-mode", choices=("online", "offline"), default=None,
+                   help="default: $WANDB_MODE, else online; offline writes runs under <output-dir>/wandb for `wandb sync`")
     return p
 
 
@@ -287,6 +331,7 @@ def validate(args: Args) -> Args:
     # algorithm
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
+    _validate_algorithm(args)
     _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
 
@@ -304,6 +349,44 @@ def validate(args: Args) -> Args:
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     return args.freeze()
+
+
+def _validate_algorithm(args: Args) -> None:
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.policy_loss_type = POLICY_LOSS_OF_ESTIMATOR.get(args.advantage_estimator, "ppo")
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    _require(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
+    _require(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    _require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    _require(0 <= args.lambd <= 1, f"--lambd must be in [0, 1], got {args.lambd}")
+    _require(args.value_clip > 0, f"--value-clip must be > 0, got {args.value_clip}")
+    _require(args.critic_lr > 0, f"--critic-lr must be > 0, got {args.critic_lr}")
+    _require(
+        args.over_sampling_batch_size >= args.rollout_batch_size,
+        f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
+        f"{args.rollout_batch_size}",
+    )
+    _require(args.dynamic_sampling_max_rounds >= 1, "--dynamic-sampling-max-rounds must be >= 1")
+    _require(
+        0 <= args.overlong_buffer_len < args.rollout_max_response_len,
+        f"--overlong-buffer-len must be in [0, --rollout-max-response-len {args.rollout_max_response_len}), "
+        f"got {args.overlong_buffer_len}",
+    )
+    _require(args.overlong_penalty_factor >= 0, "--overlong-penalty-factor must be >= 0")
+    if args.kl_coef > 0 and args.advantage_estimator in ("grpo", "gspo", "cispo"):
+        raise SlimeConfigError(
+            f"--kl-coef (KL in the reward) has no effect with --advantage-estimator {args.advantage_estimator}; "
+            "use --use-kl-loss --kl-loss-coef"
+        )
+    from slime.utils.hooks import load_function
+
+    for flag in ("custom_loss_function_path", "custom_advantage_function_path",
+                 "custom_reward_post_process_path", "dynamic_sampling_filter_path"):
+        if getattr(args, flag):  # fail at start-up, naming the flag
+            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

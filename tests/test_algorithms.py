@@ -192,3 +192,207 @@ def test_entropy_values_and_gradient():
     x2 = base.clone().requires_grad_(True)
     _reference(x2, torch.zeros(4, dtype=torch.long), 0.5)[1].sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- more estimators
+
+from slime.algorithms.advantages import (  # noqa: E402
+    REWARD_NORMALIZATION,
+    gae,
+    overlong_penalty,
+    post_process_rewards,
+    ppo,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    whiten,
+    whiten_stats,
+)
+from slime.algorithms.losses import (  # noqa: E402
+    aggregation_weights,
+    cispo_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+    sequence_mean,
+    value_loss,
+)
+
+
+def test_every_estimator_flag_has_an_implementation():
+    from slime.arguments import ADVANTAGE_ESTIMATORS as CHOICES, LOSS_AGG_MODES, POLICY_LOSS_OF_ESTIMATOR
+    from slime.algorithms.losses import LOSS_AGG_MODES as IMPLEMENTED
+
+    assert set(CHOICES) == set(ADVANTAGE_ESTIMATORS) == set(REWARD_NORMALIZATION)
+    assert set(POLICY_LOSS_OF_ESTIMATOR.values()) <= set(POLICY_LOSSES)
+    assert LOSS_AGG_MODES == IMPLEMENTED
+
+
+def test_reinforce_plus_plus_discounted_kl_shaped_returns():
+    kl = [torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.5, 0.5])]
+    masks = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0])]
+    out = reinforce_plus_plus(torch.tensor([1.0, -1.0]), [3, 2], loss_masks=masks, kl=kl, kl_coef=0.5, gamma=0.9)
+    # sample 0: token rewards [-0.05, -0.1 + 1 (last mask token), 0]; G = [r0 + .9 r1, r1, 0]
+    r0 = [-0.05, 0.9, 0.0]
+    g0 = [r0[0] + 0.9 * (r0[1] + 0.9 * r0[2]), r0[1] + 0.9 * r0[2], r0[2]]
+    r1 = [-0.25, -0.25 - 1.0]
+    g1 = [r1[0] + 0.9 * r1[1], r1[1]]
+    torch.testing.assert_close(out[0], torch.tensor(g0))
+    torch.testing.assert_close(out[1], torch.tensor(g1))
+    # no KL, gamma 1: every token gets the reward
+    assert reinforce_plus_plus(torch.tensor([2.0]), [3])[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_reinforce_plus_plus_baseline_and_ppo_gae():
+    kl = [torch.tensor([0.2, 0.4])]
+    out = reinforce_plus_plus_baseline(torch.tensor([0.5]), [2], kl=kl, kl_coef=0.5)
+    torch.testing.assert_close(out[0], torch.tensor([0.4, 0.3]))
+
+    # GAE by hand: r = [0, 0, 1], V = [0.5, 0.2, 0.4], gamma 0.9, lambda 0.8
+    r, v = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.2, 0.4])
+    d2 = 1.0 - 0.4
+    d1 = 0.0 + 0.9 * 0.4 - 0.2
+    d0 = 0.0 + 0.9 * 0.2 - 0.5
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    adv, ret = gae([r], [v], 0.9, 0.8)
+    torch.testing.assert_close(adv[0], torch.tensor([a0, a1, a2]))
+    torch.testing.assert_close(ret[0], torch.tensor([a0, a1, a2]) + v)
+    # gamma = lambda = 1: A_t = R - V_t (Monte Carlo)
+    torch.testing.assert_close(gae([r], [v], 1.0, 1.0)[0][0], 1.0 - v)
+    # the ppo estimator puts the scalar reward on the last token and the KL penalty on every token
+    out = ppo(torch.tensor([1.0]), [3], values=[v], kl=[torch.tensor([0.1, 0.1, 0.1])], kl_coef=1.0,
+              gamma=0.9, lambd=0.8)
+    torch.testing.assert_close(out[0], gae([torch.tensor([-0.1, -0.1, 0.9])], [v], 0.9, 0.8)[0][0])
+    with pytest.raises(ValueError, match="critic values"):
+        ppo(torch.tensor([1.0]), [3])
+
+
+def test_post_process_rewards_per_estimator():
+    rewards, ids = torch.tensor([1.0, 0.0, 1.0, 1.0]), [0, 0, 1, 1]
+    std = group_normalize(rewards, ids)
+    for est in ("grpo", "gspo", "cispo"):
+        torch.testing.assert_close(post_process_rewards(rewards, ids, est), std)
+        assert post_process_rewards(rewards, ids, est, std_normalization=False).tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert post_process_rewards(rewards, ids, "reinforce_plus_plus_baseline").tolist() == [0.5, -0.5, 0.0, 0.0]
+    for est in ("ppo", "reinforce_plus_plus"):
+        assert post_process_rewards(rewards, ids, est).tolist() == rewards.tolist()
+    assert post_process_rewards(rewards, ids, "grpo", rewards_normalization=False).tolist() == rewards.tolist()
+
+
+def test_overlong_penalty_ramp():
+    # max 10, buffer 4: no penalty up to 6, then -(L - 6) / 4 * factor
+    out = overlong_penalty([3, 6, 7, 10], 10, 4, 2.0)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.5, -2.0]))
+    assert overlong_penalty([10], 10, 0, 1.0).tolist() == [0.0]
+
+
+def test_whitening_from_summed_stats_equals_whole_batch():
+    g = torch.Generator().manual_seed(0)
+    adv = [torch.randn(n, generator=g) for n in (3, 1, 4, 2)]
+    masks = [torch.tensor(m, dtype=torch.float32) for m in ([1, 0, 1], [1], [1, 1, 1, 0], [0, 0])]
+    whole = whiten(adv, whiten_stats(adv, masks))
+    stats = whiten_stats(adv[:1], masks[:1]) + whiten_stats(adv[1:], masks[1:])  # "two ranks"
+    parts = whiten(adv[:1], stats) + whiten(adv[1:], stats)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b)
+    flat = torch.cat(whole)[torch.cat(masks).bool()]
+    assert abs(float(flat.mean())) < 1e-6 and float(flat.std()) == pytest.approx(1.0, abs=1e-4)
+
+
+# ---------------------------------------------------------------- more policy losses
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    old = torch.zeros(3)
+    lp = torch.log(torch.tensor([5.0, 5.0, 0.5]))
+    adv = torch.tensor([-1.0, 1.0, -1.0])
+    loss, _ = ppo_policy_loss(lp, old, adv, 0.2, 0.2, eps_clip_c=3.0)
+    # ratio 5, A<0: max(5, 1.2) = 5, capped at 3; A>0 untouched (-1.2); ratio .5, A<0 -> 0.8 (< 3)
+    torch.testing.assert_close(loss, torch.tensor([3.0, -1.2, 0.8]))
+    with pytest.raises(ValueError):
+        ppo_policy_loss(lp, old, adv, 0.2, 0.2, eps_clip_c=0.5)
+
+
+def test_gspo_uses_the_sequence_ratio_and_reduces_to_ppo_for_single_tokens():
+    old = torch.tensor([-1.0, -1.0, -2.0, -0.5])
+    lp = old + torch.tensor([0.2, -0.1, 0.5, 0.0])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    loss, clipfrac = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[2, 2], loss_mask=mask)
+    s0, s1 = math.exp(0.05), math.exp(0.5)  # masked means: (0.2 - 0.1) / 2; 0.5 / 1
+    torch.testing.assert_close(loss, torch.tensor([-s0, -s0, s1, s1]))
+    assert clipfrac.tolist() == [0.0, 0.0, 0.0, 0.0]  # A<0 with a large ratio: the unclipped term is larger
+    # one-token sequences: exactly PPO
+    pl, pc = ppo_policy_loss(lp, old, adv, 0.2, 0.28)
+    gl, gc = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[1, 1, 1, 1], loss_mask=torch.ones(4))
+    torch.testing.assert_close(gl, pl)
+    assert gc.tolist() == pc.tolist()
+
+
+def test_gspo_is_per_sequence_so_split_invariant_and_on_policy_gradient_is_ppos():
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 1, 4]
+    old = torch.randn(8, generator=g)
+    adv = torch.tensor([0.7] * 3 + [-1.2] + [0.3] * 4)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    lp = (old + 0.1 * torch.randn(8, generator=g)).requires_grad_(True)
+    whole, _ = gspo_policy_loss(lp, old, adv, 0.2, response_lengths=lengths, loss_mask=mask)
+    parts = torch.cat([gspo_policy_loss(lp[a:b], old[a:b], adv[a:b], 0.2, response_lengths=[b - a],
+                                        loss_mask=mask[a:b])[0] for a, b in ((0, 3), (3, 4), (4, 8))])
+    torch.testing.assert_close(whole, parts)
+    # at ratio 1 the token-summed GSPO gradient equals the PPO (and CISPO) gradient: -A on mask tokens
+    grads = []
+    for fn in (gspo_policy_loss, ppo_policy_loss, cispo_policy_loss):
+        x = old.clone().requires_grad_(True)
+        loss, _ = fn(x, old, adv, 0.2, 0.28, response_lengths=lengths, loss_mask=mask)
+        (loss * mask).sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], -adv * mask)
+    torch.testing.assert_close(grads[1], -adv * mask)
+    torch.testing.assert_close(grads[2], -adv * mask)
+    torch.testing.assert_close(sequence_mean(torch.arange(8.0), lengths, mask),
+                               torch.tensor([1.0] * 3 + [3.0] + [16 / 3] * 4))  # (4 + 5 + 7) / 3
+
+
+def test_cispo_keeps_gradient_on_clipped_tokens():
+    old = torch.zeros(3)
+    ratio = torch.tensor([1.5, 0.5, 1.1])
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    lp = ratio.log().requires_grad_(True)
+    loss, clipfrac = cispo_policy_loss(lp, old, adv, 0.2, 0.28)
+    torch.testing.assert_close(loss, -torch.tensor([1.28, 0.8, 1.1]) * adv * ratio.log())
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, -torch.tensor([1.28, 0.8, 1.1]) * adv)  # PPO's would be [0, -1 * .5, ...]
+    x = ratio.log().requires_grad_(True)
+    ppo_policy_loss(x, old, adv, 0.2, 0.28)[0].sum().backward()
+    assert x.grad[0].item() == 0.0  # the PPO clip kills the gradient where CISPO keeps it
+
+
+def test_value_loss_clipped():
+    values, old, ret = torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.5, 0.5, 0.5]), torch.tensor([2.0, 0.0, 0.0])
+    loss, clipfrac = value_loss(values, old, ret, 0.2)
+    # clipped values [0.7, 0.3, 0.5]: max((v-R)^2, (vc-R)^2) = [max(1, 1.69), max(0, .09), .25]
+    torch.testing.assert_close(loss, torch.tensor([1.69, 0.09, 0.25]))
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+    assert value_loss(values, old, ret, None)[0].tolist() == [1.0, 0.0, 0.25]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregation_weights_are_split_invariant(mode):
+    masks = [torch.tensor(m, dtype=torch.float32) for m in ([1, 1, 0], [1], [1, 1, 1, 1], [0, 0])]
+    losses = [torch.arange(len(m), dtype=torch.float32) + i for i, m in enumerate(masks)]
+    total_tokens = sum(float(m.sum()) for m in masks)
+    whole = aggregation_weights(masks, mode, total_tokens, 4, max_response_len=5)
+    split = aggregation_weights(masks[:1], mode, total_tokens, 4, 5) + aggregation_weights(masks[1:], mode,
+                                                                                          total_tokens, 4, 5)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b)
+    value = sum(float((w * l).sum()) for w, l in zip(whole, losses))
+    if mode == "token-mean":
+        expected = sum(float((l * m).sum()) for l, m in zip(losses, masks)) / total_tokens
+    elif mode == "seq-mean-token-mean":
+        expected = sum(float((l * m).sum()) / max(float(m.sum()), 1) for l, m in zip(losses, masks)) / 4
+    else:
+        expected = sum(float((l * m).sum()) / 5 for l, m in zip(losses, masks)) / 4
+    assert value == pytest.approx(expected)

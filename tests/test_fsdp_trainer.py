@@ -392,3 +392,141 @@ def test_weight_sync_engine_failure_is_an_error(tiny_model_dir):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(EngineError):
         sync_weights([("w", torch.zeros(3))], [url], 1, 1 << 20, timeout=5)
+
+
+# ---------------------------------------------------------------- (6) estimators and aggregation
+
+
+def test_gspo_and_cispo_on_policy_equal_grpo_and_are_split_invariant(tiny_model_dir, tmp_path):
+    """One step per rollout (ratio 1): GSPO's and CISPO's gradients are GRPO's, whatever the micro-batches;
+    seq-mean-token-mean is also independent of the split."""
+    batch = synthetic_batch(tiny_model_dir, 6, seed=5)
+    common = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--clip-grad", 0]
+    runs = {}
+    for est, mbs, agg in (("grpo", 6, "token-mean"), ("gspo", 1, "token-mean"), ("cispo", 4, "token-mean"),
+                          ("gspo", 1, "seq-mean-token-mean"), ("gspo", 6, "seq-mean-token-mean")):
+        args = make_args(tiny_model_dir, tmp_path, *common, "--advantage-estimator", est, "--micro-batch-size", mbs,
+                         "--loss-agg-mode", agg)
+        runs[est, mbs, agg] = _grads_after_train(args, batch)
+    ref, ref_m = runs["grpo", 6, "token-mean"]
+    for key in (("gspo", 1, "token-mean"), ("cispo", 4, "token-mean")):
+        g, m = runs[key]
+        assert_states_close(g, ref, atol=1e-6, rtol=1e-5)
+        assert m["train/grad_norm"] == pytest.approx(ref_m["train/grad_norm"], rel=1e-5)
+    # GSPO's loss value is PPO's at ratio 1 (CISPO's is -A * log p: same gradient, other value)
+    assert runs["gspo", 1, "token-mean"][1]["train/pg_loss"] == pytest.approx(ref_m["train/pg_loss"], rel=1e-5)
+    a, _ = runs["gspo", 1, "seq-mean-token-mean"]
+    b, _ = runs["gspo", 6, "seq-mean-token-mean"]
+    assert_states_close(a, b, atol=1e-6, rtol=1e-5)
+    assert max((a[k] - ref[k]).abs().max().item() for k in a) > 1e-6  # a different aggregation
+
+
+NEW_CONFIGS = {
+    "gspo_seq_mean_whiten": ["--advantage-estimator", "gspo", "--loss-agg-mode", "seq-mean-token-mean",
+                             "--normalize-advantages"],
+    "reinforce_pp_kl_reward": ["--advantage-estimator", "reinforce_plus_plus", "--kl-coef", 0.05, "--gamma", 0.9,
+                               "--normalize-advantages", "--eps-clip-c", 3.0],
+}
+
+
+@pytest.mark.parametrize("config", list(NEW_CONFIGS))
+def test_new_estimators_two_ranks_match_one_rank(tiny_model_dir, tmp_path, ray_session, config):
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    batch = synthetic_batch(tiny_model_dir, 8, seed=6)
+    groups = {}
+    try:
+        for dp, mbs in ((2, 1), (1, 3)):
+            args = make_args(tiny_model_dir, tmp_path, *COMMON, *NEW_CONFIGS[config],
+                             "--actor-num-gpus-per-node", dp, "--micro-batch-size", mbs)
+            groups[dp] = (args, TrainGroup(args))
+        results = {}
+        for dp, (args, group) in groups.items():
+            group.init()
+            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+            results[dp] = (group.train(0, refs), group.full_state(optimizer=False)[0])
+    finally:
+        for _, group in groups.values():
+            group.shutdown()
+    (m2, sd2), (m1, sd1) = results[2], results[1]
+    assert set(m2) == set(m1)
+    for k in m1:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    assert m1["train/ppo_kl"] != 0
+    assert_states_close(sd2, sd1, atol=1e-5)
+
+
+# ---------------------------------------------------------------- (7) PPO critic
+
+
+def test_critic_values_returns_and_value_loss(tiny_model_dir, tmp_path):
+    from slime.training.actor import TrainActor
+
+    args = make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 3, "--n-samples-per-prompt", 2,
+                     "--micro-batch-size", 2, "--advantage-estimator", "ppo", "--lr", 1e-3, "--critic-lr", 1e-3,
+                     "--gamma", 0.9, "--lambd", 0.8)
+    assert args.use_critic
+    batch = synthetic_batch(tiny_model_dir, 6, seed=7)
+    critic = TrainActor(args, rank=0, world_size=1, role="critic", master_port=free_port())
+    critic.init()
+    actor = local_actor(args)
+    try:
+        values = critic.compute_values(0, batch)
+        assert [v.shape[0] for v in values] == batch.response_lengths
+        # the value of response token t is the head's output at position t-1 (as for the log-probs)
+        from transformers import AutoModelForTokenClassification
+
+        head = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=1, dtype=torch.float32)
+        head.load_state_dict(critic.full_state(optimizer=False)[0])
+        toks, r = batch.tokens[0], batch.response_lengths[0]
+        with torch.no_grad():
+            out = head(torch.tensor([toks])).logits[0, :, 0]
+        torch.testing.assert_close(values[0], out[len(toks) - r - 1 : len(toks) - 1], atol=1e-5, rtol=1e-5)
+
+        with pytest.raises(ValueError, match="needs critic values"):
+            actor.train(0, batch)
+        metrics = actor.train(0, batch, values)
+        returns = actor.last_returns()
+        from slime.algorithms.advantages import ppo
+
+        adv = ppo(torch.tensor(batch.rewards), batch.response_lengths, values=values, gamma=0.9, lambd=0.8)
+        for ret, a, v in zip(returns, adv, values):
+            torch.testing.assert_close(ret, a + v)
+        assert metrics["train/advantage_mean"] != 0
+
+        losses = []
+        for step in range(4):  # regress toward the same returns: the value loss falls
+            critic.compute_values(step, batch)
+            losses.append(critic.train_critic(step, batch, returns)["critic/value_loss"])
+        assert losses[-1] < 0.5 * losses[0], losses
+    finally:
+        critic.shutdown()
+        actor.shutdown()
+
+
+def test_train_group_with_critic_trains_saves_and_loads_it(tiny_model_dir, tmp_path, ray_session):
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    args = make_args(tiny_model_dir, tmp_path, *COMMON, "--advantage-estimator", "ppo", "--kl-coef", 0.01,
+                     "--actor-num-gpus-per-node", 2, "--micro-batch-size", 2)
+    batch = synthetic_batch(tiny_model_dir, 8, seed=8)
+    refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+    group = TrainGroup(args, critic=TrainGroup(args, role="critic"))
+    other = TrainGroup(args, critic=TrainGroup(args, role="critic"))
+    try:
+        group.init()
+        other.init()
+        metrics = group.train(0, refs)
+        assert {"train/pg_loss", "critic/value_loss", "critic/value_clipfrac", "critic/grad_norm"} <= set(metrics)
+        group.save(str(tmp_path / "ckpt"))
+        assert (tmp_path / "ckpt" / "critic" / "hf" / "model.safetensors").is_file()
+        other.load(str(tmp_path / "ckpt"))
+        assert_states_close(other.critic.full_state(optimizer=False)[0], group.critic.full_state(optimizer=False)[0],
+                            atol=0)
+    finally:
+        group.shutdown()
+        other.shutdown()

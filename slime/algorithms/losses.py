@@ -115,6 +115,12 @@ def compute_log_probs_and_entropy(
 
 
 # ---------------------------------------------------------------- policy losses
+#
+# Every entry of POLICY_LOSSES has the signature
+#     loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high=None, *,
+#          eps_clip_c=None, response_lengths=None, loss_mask=None) -> (per_token_loss, clipfrac)
+# over the concatenated response tokens of a micro-batch (Tensor[N] each, N = sum of
+# response_lengths); the trainer aggregates the per-token loss (see `aggregation_weights`).
 
 
 def ppo_policy_loss(
@@ -123,6 +129,9 @@ def ppo_policy_loss(
     advantages: Tensor,
     eps_clip: float,
     eps_clip_high: float | None = None,
+    *,
+    eps_clip_c: float | None = None,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate with asymmetric clip range [1 - eps_clip, 1 + eps_clip_high].
 
@@ -131,15 +140,94 @@ def ppo_policy_loss(
         ratio = exp(log_probs - old_log_probs)
         loss  = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
         clipfrac = 1 where the clipped term is strictly larger (the clip is active).
+    Dual-clip (`eps_clip_c` > 1, arXiv 1912.09729): where A < 0 the loss is further
+    capped at -A * eps_clip_c.
     """
     if eps_clip_high is None:
         eps_clip_high = eps_clip
     ratio = torch.exp(log_probs - old_log_probs)
+    return _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c):
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
     loss = torch.maximum(loss1, loss2)
     clipfrac = torch.gt(loss2, loss1).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"dual-clip PPO needs eps_clip_c > 1, got {eps_clip_c}")
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * eps_clip_c), loss)
     return loss, clipfrac
+
+
+def sequence_mean(values: Tensor, response_lengths: list[int], loss_mask: Tensor) -> Tensor:
+    """Per-sequence masked mean, broadcast back to every token of the sequence.
+
+    values, loss_mask: Tensor[N] (concatenated sequences); response_lengths: their lengths
+    returns Tensor[N]: out[t] = sum_{s in seq(t)} values[s] * mask[s] / max(sum mask over seq(t), 1)
+    """
+    lengths = [int(n) for n in response_lengths]
+    if sum(lengths) != values.numel():
+        raise ValueError(f"sequence_mean: {values.numel()} tokens but response lengths sum to {sum(lengths)}")
+    if not lengths:
+        return values
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=values.device),
+                                  torch.as_tensor(lengths, device=values.device))
+    m = loss_mask.to(values.dtype)
+    sums = torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, seq, values * m)
+    counts = torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, seq, m)
+    return (sums / counts.clamp(min=1.0))[seq]
+
+
+def gspo_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    *,
+    response_lengths: list[int] | None = None,
+    loss_mask: Tensor | None = None,
+    eps_clip_c: float | None = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """GSPO (arXiv 2507.18071): the PPO clip on a sequence-level ratio.
+
+    s_i = exp(mean over sequence i's loss-mask tokens of (log_probs - old_log_probs)),
+    used as the ratio of every token of sequence i (gradient flows to each token through
+    the mean). Shapes as `ppo_policy_loss`; needs `response_lengths` (sequences are
+    never split across micro-batches) and `loss_mask`. With one-token sequences it is PPO.
+    """
+    if response_lengths is None:
+        raise ValueError("gspo_policy_loss needs response_lengths")
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
+    ratio = torch.exp(sequence_mean(log_probs - old_log_probs, response_lengths, mask))
+    return _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+
+
+def cispo_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    **_: object,
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stop-gradient ratio.
+
+    loss = -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs; clipfrac = 1
+    where the clip changed the ratio. Unlike PPO a clipped token still has gradient
+    (-clip(ratio) * A); at ratio 1 the gradient equals PPO's (-A).
+    """
+    if eps_clip_high is None:
+        eps_clip_high = eps_clip
+    ratio = torch.exp(log_probs - old_log_probs).detach()
+    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = -clipped * advantages * log_probs
+    return loss, (clipped != ratio).float()
 
 
 def policy_loss(
@@ -155,7 +243,29 @@ def policy_loss(
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
     "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
 }
+
+
+# ---------------------------------------------------------------- value loss
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None) -> tuple[Tensor, Tensor]:
+    """PPO clipped value loss (per token).
+
+    values, old_values, returns: Tensor[N]
+    returns (loss Tensor[N], clipfrac Tensor[N]):
+        clipped = old + clamp(values - old, -value_clip, value_clip)
+        loss    = max((values - R)^2, (clipped - R)^2)       (no clip when value_clip is None)
+        clipfrac = 1 where |values - old| > value_clip
+    """
+    unclipped = (values - returns).square()
+    if value_clip is None:
+        return unclipped, torch.zeros_like(unclipped)
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss = torch.maximum(unclipped, (clipped - returns).square())
+    return loss, ((values - old_values).abs() > value_clip).float()
 
 
 # ---------------------------------------------------------------- KL
@@ -204,3 +314,36 @@ def token_mean_over(values: Tensor, mask: Tensor, total_tokens: float | Tensor) 
     gives the step's token-mean, independent of how the step was split.
     """
     return masked_sum(values, mask) / max(float(total_tokens), 1.0)
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregation_weights(
+    loss_masks: list[Tensor], mode: str, total_tokens: float, total_samples: int, max_response_len: int | None = None
+) -> list[Tensor]:
+    """Per-token weights w such that a step's loss is sum over its tokens of w * per_token_loss.
+
+    loss_masks:    the masks (Tensor[L_i]) of the samples of one step on this rank
+    total_tokens:  sum of loss-mask tokens of the whole step (all ranks)
+    total_samples: samples in the whole step (all ranks)
+      token-mean:              w = mask / total_tokens              (every token counts the same)
+      seq-mean-token-mean:     w = mask / (sum(mask_i) * total_samples)   (every sequence counts the same)
+      seq-mean-token-sum-norm: w = mask / (max_response_len * total_samples)   (Dr. GRPO)
+    Weights depend only on the sample and step totals, so the loss and its gradient are
+    independent of how the step is split into micro-batches and ranks.
+    """
+    out = []
+    for m in loss_masks:
+        m = m.to(torch.float32)
+        if mode == "token-mean":
+            out.append(m / max(float(total_tokens), 1.0))
+        elif mode == "seq-mean-token-mean":
+            out.append(m / (max(float(m.sum()), 1.0) * max(total_samples, 1)))
+        elif mode == "seq-mean-token-sum-norm":
+            if not max_response_len:
+                raise ValueError("seq-mean-token-sum-norm needs max_response_len")
+            out.append(m / (float(max_response_len) * max(total_samples, 1)))
+        else:
+            raise ValueError(f"unknown loss aggregation {mode!r} (choose from {', '.join(LOSS_AGG_MODES)})")
+    return out

@@ -1,4 +1,4 @@
-"""Run metrics: `<output-dir>/metrics.jsonl` (always) and TensorBoard.
+"""Run metrics: `<output-dir>/metrics.jsonl` (always), TensorBoard, and optionally wandb.
 
 Each `log` call appends one JSON object and flushes it to disk, so a crashed run
 keeps every record written before the crash. Training records carry the rollout's
@@ -15,7 +15,9 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb_config: dict | None = None):
+        """`wandb_config`: keyword arguments for `wandb.init` (project, group, name, mode, config),
+        or None for no wandb."""
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
@@ -25,6 +27,24 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._wandb = None
+        if wandb_config is not None:
+            import wandb
+
+            self._wandb = wandb.init(dir=str(self.output_dir), **wandb_config)
+
+    @classmethod
+    def from_args(cls, args) -> "MetricsLogger":
+        wandb_config = None
+        if args.use_wandb:
+            wandb_config = {
+                "project": args.wandb_project,
+                "group": args.wandb_group,
+                "name": args.wandb_run_name or Path(args.output_dir).name,
+                "mode": args.wandb_mode or os.environ.get("WANDB_MODE", "online"),
+                "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            }
+        return cls(args.output_dir, wandb_config=wandb_config)
 
     def log(self, step: int, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
@@ -35,11 +55,15 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def console_line(rollout_id: int, record: dict) -> str:

@@ -3,6 +3,12 @@
 Every method blocks and returns rank 0's result (the ranks agree). A failure in any
 rank is raised at once (the others may be stuck in a collective) with the role and
 rank in the message; a `SlimeError` keeps its type so `run_main` prints one line.
+
+PPO: an actor group built with `critic=TrainGroup(args, role="critic", ...)` (same
+bundles) drives it: `train` gets the critic's values first, trains the actor on
+advantages built from them, then trains the critic on the actor's returns (rank i to
+rank i, object refs only); `init`, `save`/`load` (under `<path>/critic`) and
+`shutdown` include the critic.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ _RemoteTrainActor = ray.remote(TrainActor)
 
 
 class TrainGroup:
-    def __init__(self, args, role: str = "actor", bundles: list[tuple[PlacementGroup, int]] | None = None):
+    def __init__(self, args, role: str = "actor", bundles: list[tuple[PlacementGroup, int]] | None = None,
+                 critic: "TrainGroup | None" = None):
         self.args = args
         self.role = role
+        self.critic = critic
         n = args.dp_size
         if bundles is not None and len(bundles) < n:
             raise ValueError(f"TrainGroup needs {n} bundles, got {len(bundles)}")
@@ -54,8 +62,8 @@ class TrainGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=idx
                 )
-                if pg.bundle_specs[idx].get("GPU", 0) > 0:
-                    opts["num_gpus"] = 0.2 if args.colocate else 1
+                if pg.bundle_specs[idx].get("GPU", 0) > 0:  # actor and critic share a device under PPO
+                    opts["num_gpus"] = 0.2 if args.colocate else (0.5 if args.use_critic else 1)
             elif ray.cluster_resources().get("GPU", 0) > 0:
                 opts["num_gpus"] = 1
             self._actors.append(
@@ -104,12 +112,24 @@ class TrainGroup:
 
     def init(self) -> None:
         self._all("init")
+        if self.critic is not None:
+            self.critic.init()
 
     def train(self, rollout_id: int, batches: list) -> dict[str, float]:
-        """batches[i] (a RolloutBatch or an ObjectRef to one) is rank i's data; returns the metrics."""
+        """batches[i] (a RolloutBatch or an ObjectRef to one) is rank i's data; returns the metrics
+        (with the critic's `critic/*` ones when a critic is attached)."""
         if len(batches) != len(self._actors):
             raise ValueError(f"train got {len(batches)} batches for {len(self._actors)} ranks")
-        return self._call("train", [rollout_id] * len(self._actors), list(batches))[0]
+        if self.critic is None:
+            return self._call("train", [rollout_id] * len(self._actors), list(batches))[0]
+        critic = self.critic._actors
+        values = [c.compute_values.remote(rollout_id, b) for c, b in zip(critic, batches)]
+        trained = [a.train.remote(rollout_id, b, v) for a, b, v in zip(self._actors, batches, values)]
+        returns = [a.last_returns.remote() for a in self._actors]  # runs after train on each rank
+        critic_trained = [c.train_critic.remote(rollout_id, b, r) for c, b, r in zip(critic, batches, returns)]
+        metrics = self._wait("train", trained)[0]
+        metrics.update(self.critic._wait("train_critic", critic_trained)[0])
+        return metrics
 
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
         """Push the current weights to every engine; returns rank 0's
@@ -118,15 +138,21 @@ class TrainGroup:
 
     def save(self, path: str) -> None:
         self._all("save", str(path))
+        if self.critic is not None:
+            self.critic.save(f"{path}/critic")
 
     def load(self, path: str) -> None:
         self._all("load", str(path))
+        if self.critic is not None:
+            self.critic.load(f"{path}/critic")
 
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full model (and optimizer) state from rank 0, for tests and tools."""
         return self._all("full_state", optimizer)[0]
 
     def shutdown(self) -> None:
+        if self.critic is not None:
+            self.critic.shutdown()
         if not self._actors:
             return
         refs = [a.shutdown.remote() for a in self._actors]

@@ -3,8 +3,13 @@
 It owns the data source, the engines (one `EngineServer` actor each) and the
 reward function. `generate(rollout_id)` takes `rollout_batch_size` prompts,
 makes `n_samples_per_prompt` samples of each, generates and scores them
-concurrently over HTTP, normalizes rewards per group (by group index) and returns
-one object ref per data-parallel rank plus the rollout's metrics.
+concurrently over HTTP, turns scores into training rewards (per-estimator group
+normalization, or `--custom-reward-post-process-path`) and returns one object ref
+per data-parallel rank plus the rollout's metrics.
+
+Dynamic sampling (DAPO, `--dynamic-sampling-filter-path`): prompts are launched in
+rounds of `--over-sampling-batch-size`; each round's groups are generated
+concurrently, then filtered, until `rollout_batch_size` groups are kept.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ import time
 import ray
 import torch
 
-from slime.algorithms.advantages import group_normalize
+from slime.algorithms.advantages import overlong_penalty, post_process_rewards
 from slime.data.dataset import load_prompts
 from slime.data.source import DataSource
 from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
 from slime.rollout.generate import generate_and_rm, sample_seed, sampling_params
+from slime.rollout.filters import as_filter_output
 from slime.rollout.rewards import get_reward_function
 from slime.types import RolloutBatch, Sample, SampleStatus
 
@@ -66,6 +72,8 @@ class RolloutManager:
         self.data_source = DataSource(load(args.prompt_data), shuffle=args.rollout_shuffle, seed=args.rollout_seed)
         self.eval_sets = {name: load(path) for name, path in args.eval_sets.items()}
         self.reward_fn = get_reward_function(args.rm_type)
+        self.dynamic_filter = self._hook("dynamic_sampling_filter_path")
+        self.reward_post_process = self._hook("custom_reward_post_process_path")
 
         server_cls = ray.remote(num_cpus=0)(EngineServer)
         for rank in range(args.num_engines):
@@ -77,43 +85,107 @@ class RolloutManager:
         self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout)
         return self.urls
 
+    def _hook(self, flag: str):
+        from slime.utils.hooks import load_function
+
+        path = getattr(self.args, flag)
+        return load_function(path, "--" + flag.replace("_", "-")) if path else None
+
     def num_prompts(self) -> int:
         return len(self.data_source)
 
     # ------------------------------------------------------------------ rollout
-    def _make_samples(self, prompts, n: int) -> list[Sample]:
+    def _make_samples(self, prompts, n: int, first_group: int = 0) -> list[Sample]:
         return [
             Sample(
                 prompt=p.prompt, label=p.label, metadata=dict(p.metadata),
                 index=g * n + j, group_index=g, tokens=list(p.input_ids),
             )
-            for g, p in enumerate(prompts)
+            for g, p in enumerate(prompts, start=first_group)
             for j in range(n)
         ]
 
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
         start = time.perf_counter()
-        samples = self._make_samples(self.data_source.next_prompts(args.rollout_batch_size), args.n_samples_per_prompt)
-        samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False))
+        samples, generated, metrics = self._sample_groups(rollout_id)
         elapsed = time.perf_counter() - start
         batch = self._to_train_batch(samples)
         refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-        metrics = self._rollout_metrics(samples)
+        metrics.update(self._rollout_metrics(samples))
+        if args.overlong_buffer_len > 0:
+            metrics["rollout/overlong_penalty"] = statistics.fmean(self._overlong(samples).tolist())
         metrics["perf/rollout_time"] = elapsed
-        metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in samples) / max(elapsed, 1e-9)
+        metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in generated) / max(elapsed, 1e-9)
         return refs, metrics
 
-    def _to_train_batch(self, samples: list[Sample]) -> RolloutBatch:
+    def _sample_groups(self, rollout_id: int) -> tuple[list[Sample], list[Sample], dict[str, float]]:
+        """`rollout_batch_size` groups of scored samples: every group when there is no filter, else
+        those the dynamic-sampling filter keeps, launching rounds of `over_sampling_batch_size`
+        prompts (each round generated concurrently). Returns (kept samples in group order,
+        every generated sample, filter metrics)."""
+        args, n, target = self.args, self.args.n_samples_per_prompt, self.args.rollout_batch_size
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        generated: list[Sample] = []
+        drops: dict[str, int] = {}
+        rounds = 0
+        while len(kept) < target and rounds < args.dynamic_sampling_max_rounds:
+            prompts = self.data_source.next_prompts(args.over_sampling_batch_size)
+            samples = self._make_samples(prompts, n, first_group=rounds * args.over_sampling_batch_size)
+            samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False))
+            generated.extend(samples)
+            rounds += 1
+            for g in range(len(prompts)):
+                group = samples[g * n : (g + 1) * n]
+                out = as_filter_output(self.dynamic_filter(args, group)) if self.dynamic_filter else None
+                if out is None or out.keep:
+                    kept.append(group)
+                else:
+                    dropped.append(group)
+                    drops[out.reason or "filtered"] = drops.get(out.reason or "filtered", 0) + 1
+        fallback = max(0, target - len(kept))
+        kept = sorted(kept[:target] + dropped[:fallback], key=lambda grp: grp[0].group_index)
+        metrics: dict[str, float] = {}
+        if self.dynamic_filter is not None:
+            metrics = {f"rollout/dynamic_filter/drop_{k}": float(v) for k, v in drops.items()}
+            metrics["rollout/dynamic_filter/rounds"] = float(rounds)
+            metrics["rollout/dynamic_filter/fallback_groups"] = float(fallback)
+            metrics["rollout/dynamic_filter/all_raw_reward"] = statistics.fmean(
+                s.reward if s.reward is not None else 0.0 for s in generated)
+        return [s for grp in kept for s in grp], generated, metrics
+
+    def _overlong(self, samples: list[Sample]) -> torch.Tensor:
+        args = self.args
+        return overlong_penalty([s.response_length for s in samples], args.rollout_max_response_len,
+                                args.overlong_buffer_len, args.overlong_penalty_factor)
+
+    def _train_rewards(self, samples: list[Sample]) -> list[float]:
+        """Training rewards: the user's post-process hook, or (reward + overlong penalty) normalized
+        per the estimator over the samples whose reward did not fail (failed ones get 0)."""
+        args = self.args
+        if self.reward_post_process is not None:
+            rewards = [float(r) for r in self.reward_post_process(args, samples)]
+            if len(rewards) != len(samples):
+                raise ValueError(f"--custom-reward-post-process-path returned {len(rewards)} rewards "
+                                 f"for {len(samples)} samples")
+            return rewards
         valid = [i for i, s in enumerate(samples) if s.status != SampleStatus.FAILED]
         rewards = [0.0] * len(samples)
         if valid:
-            normalized = group_normalize(
-                torch.tensor([samples[i].reward for i in valid], dtype=torch.float32),
-                [samples[i].group_index for i in valid],
+            scores = torch.tensor([samples[i].reward for i in valid], dtype=torch.float32)
+            if args.overlong_buffer_len > 0:
+                scores = scores + self._overlong([samples[i] for i in valid])
+            normalized = post_process_rewards(
+                scores, [samples[i].group_index for i in valid], args.advantage_estimator,
+                args.rewards_normalization, args.grpo_std_normalization,
             )
             for i, r in zip(valid, normalized.tolist()):
                 rewards[i] = r
+        return rewards
+
+    def _to_train_batch(self, samples: list[Sample]) -> RolloutBatch:
+        rewards = self._train_rewards(samples)
         return RolloutBatch(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],

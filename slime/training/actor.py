@@ -1,14 +1,21 @@
 """TrainActor: one data-parallel rank; backend-agnostic RL step over micro-batches.
 
-Per rollout (`train`):
-  1. reference log-probs (frozen initial weights) when the KL loss is on;
-  2. old log-probs: with one step per rollout, the detached log-probs of the training
-     forward itself (ratio exactly 1); otherwise a no-grad pass before any update;
-  3. advantages via `ADVANTAGE_ESTIMATORS[args.advantage_estimator]`;
+Per rollout (`train`, role "actor"):
+  1. reference log-probs (frozen initial weights) when the KL loss or KL-in-reward is on;
+  2. old log-probs: with one step per rollout (and no KL-in-reward), the detached
+     log-probs of the training forward itself (ratio exactly 1); otherwise a no-grad
+     pass before any update;
+  3. advantages via `ADVANTAGE_ESTIMATORS[args.advantage_estimator]` (or
+     `--custom-advantage-function-path`), from rewards, KL(old || ref) when
+     `--kl-coef` > 0 and the critic's values (PPO); optionally whitened over all ranks;
   4. per optimizer step: micro-batches of `args.micro_batch_size` samples, per-token
-     loss = PPO-clip + kl_coef * KL - entropy_coef * entropy, aggregated as a token
-     mean over the *global* step (all ranks), times dp_size to undo FSDP's gradient
-     averaging; grad clip; AdamW step.
+     loss = policy loss (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or
+     `--custom-loss-function-path`) + kl_loss_coef * KL - entropy_coef * entropy,
+     aggregated with per-token weights that depend only on the sample and the global
+     step (`--loss-agg-mode`), times dp_size to undo FSDP's gradient averaging; grad
+     clip; AdamW step.
+Role "critic" (PPO) is a value model: `compute_values` before the actor's advantages,
+then `train_critic` on the actor's returns with the clipped value loss.
 Metrics are token-weighted within a step (all ranks), averaged over steps, and
 identical on every rank.
 
@@ -24,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from slime.algorithms.losses import POLICY_LOSSES, kl_penalty, masked_sum
+from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_stats
+from slime.algorithms.losses import POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, value_loss
 from slime.arguments import num_cpu_threads
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
@@ -41,19 +48,20 @@ class MicroBatch:
     response_lengths: list[int]
 
 
-def _make_backend(args, rank, world_size, master_addr, master_port, with_ref):
+def _make_backend(args, rank, world_size, master_addr, master_port, with_ref, value_head=False):
     if args.train_backend == "fsdp":
         from slime.training.fsdp.backend import FSDPBackend
 
-        return FSDPBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref)
+        return FSDPBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
+                           value_head=value_head)
     raise SlimeConfigError(f"--train-backend {args.train_backend!r} is not available")
 
 
 class TrainActor:
     def __init__(self, args, rank: int = 0, world_size: int | None = None, role: str = "actor",
                  master_addr: str = "127.0.0.1", master_port: int | None = None):
-        if role != "actor":
-            raise SlimeConfigError(f"train role {role!r} is not supported yet (only 'actor')")
+        if role not in ("actor", "critic"):
+            raise SlimeConfigError(f"train role {role!r} is not supported (use 'actor' or 'critic')")
         self.args = args
         self.rank = rank
         self.world_size = args.dp_size if world_size is None else world_size
@@ -68,10 +76,21 @@ class TrainActor:
     # ------------------------------------------------------------ lifecycle
 
     def init(self) -> None:
-        torch.manual_seed(self.args.seed)
-        self.use_kl = bool(self.args.use_kl_loss and self.args.kl_loss_coef > 0)
-        self.backend = _make_backend(self.args, self.rank, self.world_size, self.master_addr,
-                                     self.master_port, with_ref=self.use_kl)
+        from slime.utils.hooks import load_function
+
+        args = self.args
+        torch.manual_seed(args.seed)
+        critic = self.role == "critic"
+        self.use_kl_loss = bool(args.use_kl_loss and args.kl_loss_coef > 0) and not critic
+        self.use_ref = (self.use_kl_loss or args.kl_coef > 0) and not critic
+        self.custom_loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path") \
+            if args.custom_loss_function_path else None
+        self.custom_advantage_fn = load_function(args.custom_advantage_function_path,
+                                                 "--custom-advantage-function-path") \
+            if args.custom_advantage_function_path else None
+        self._returns = None
+        self.backend = _make_backend(args, self.rank, self.world_size, self.master_addr,
+                                     self.master_port, with_ref=self.use_ref, value_head=critic)
 
     def ready(self) -> bool:
         return self.backend is not None
@@ -112,26 +131,66 @@ class TrainActor:
             if len(batch.loss_masks[i]) != r:
                 raise ValueError(f"sample {i}: loss mask has {len(batch.loss_masks[i])} entries, response {r} tokens")
 
-    def train(self, rollout_id: int, batch: RolloutBatch) -> dict[str, float]:
+    def _advantages(self, batch: RolloutBatch, masks: list[Tensor], kl, values) -> tuple[list[Tensor], list | None]:
+        """Per-token advantages (and, with critic values, the critic's returns) of this rank's samples."""
+        args = self.args
+        rewards = torch.as_tensor(batch.rewards, dtype=torch.float32)
+        inputs = dict(loss_masks=masks, kl=kl, values=values, kl_coef=args.kl_coef, gamma=args.gamma,
+                      lambd=args.lambd)
+        if self.custom_advantage_fn is not None:
+            advantages = self.custom_advantage_fn(args, rewards, list(batch.response_lengths), **inputs,
+                                                  group_indices=list(batch.group_indices),
+                                                  raw_rewards=list(batch.raw_rewards))
+        else:
+            advantages = ADVANTAGE_ESTIMATORS[args.advantage_estimator](rewards, batch.response_lengths, **inputs)
+        advantages = [torch.as_tensor(a, dtype=torch.float32) for a in advantages]
+        bad = [i for i, a in enumerate(advantages) if a.shape != (batch.response_lengths[i],)]
+        if len(advantages) != len(batch) or bad:
+            raise ValueError(f"advantage function returned {len(advantages)} tensors for {len(batch)} samples"
+                             + (f"; sample {bad[0]} has shape {tuple(advantages[bad[0]].shape)}, expected "
+                                f"({batch.response_lengths[bad[0]]},)" if bad else ""))
+        returns = [a + torch.as_tensor(v, dtype=torch.float32) for a, v in zip(advantages, values)] \
+            if values is not None else None
+        if args.normalize_advantages:
+            advantages = whiten(advantages, self.backend.all_reduce_sum(whiten_stats(advantages, masks)))
+        return advantages, returns
+
+    def _step_weights(self, masks: list[Tensor], step_idx: list[int]) -> tuple[list[Tensor], float]:
+        """Loss aggregation weights (`--loss-agg-mode`) of one step's local samples, and the step's
+        global number of loss tokens."""
+        args = self.args
+        local_tokens = sum(float(masks[i].sum()) for i in step_idx)
+        global_tokens = float(self.backend.all_reduce_sum(torch.tensor([local_tokens]))[0])
+        weights = aggregation_weights([masks[i] for i in step_idx], args.loss_agg_mode, global_tokens,
+                                      len(step_idx) * self.world_size, args.rollout_max_response_len)
+        return weights, global_tokens
+
+    def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
+        """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
         args, be = self.args, self.backend
         if be is None:
             raise RuntimeError("TrainActor.init() was not called")
+        if self.role == "critic":
+            raise RuntimeError("TrainActor.train is the actor's; the critic trains with train_critic")
         self._check(batch)
         n = len(batch)
         lengths = batch.response_lengths
         masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
-        advantages = ADVANTAGE_ESTIMATORS[args.advantage_estimator](
-            torch.as_tensor(batch.rewards, dtype=torch.float32), lengths, loss_masks=masks
-        )
+        if args.use_critic and values is None:
+            raise ValueError(f"--advantage-estimator {args.advantage_estimator} needs critic values")
         has_rollout_lp = [
             batch.rollout_log_probs is not None and i < len(batch.rollout_log_probs)
             and batch.rollout_log_probs[i] is not None and len(batch.rollout_log_probs[i]) == lengths[i]
             for i in range(n)
         ]
-        ref_lps = self._no_grad_log_probs(batch, ref=True) if self.use_kl else None
-        one_step = args.num_steps_per_rollout == 1
-        old_lps: list[Tensor | None] = [None] * n if one_step else self._no_grad_log_probs(batch, ref=False)
-        policy_loss = POLICY_LOSSES["ppo"]
+        ref_lps = self._no_grad_log_probs(batch, ref=True) if self.use_ref else None
+        # old log-probs: with one step per rollout and nothing needing them before the update, the
+        # detached log-probs of the training forward itself (ratio exactly 1); else a no-grad pass
+        lazy_old = args.num_steps_per_rollout == 1 and args.kl_coef == 0
+        old_lps: list[Tensor | None] = [None] * n if lazy_old else self._no_grad_log_probs(batch, ref=False)
+        kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
+        advantages, self._returns = self._advantages(batch, masks, kl, values)
+        policy_loss = self.custom_loss_fn or POLICY_LOSSES[args.policy_loss_type]
         dev = be.device
 
         per_step = n // args.num_steps_per_rollout
@@ -140,8 +199,8 @@ class TrainActor:
         for s in range(args.num_steps_per_rollout):
             step_idx = list(range(s * per_step, (s + 1) * per_step))
             mbs = self._micro_batches(batch, step_idx)
-            local_tokens = sum(float(masks[i].sum()) for i in step_idx)
-            global_tokens = float(be.all_reduce_sum(torch.tensor([local_tokens]))[0])
+            weights, global_tokens = self._step_weights(masks, step_idx)
+            weight_of = dict(zip(step_idx, weights))
             denom = max(global_tokens, 1.0)
             sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
 
@@ -149,25 +208,29 @@ class TrainActor:
                 idx = mbs[k]
                 mask = torch.cat([masks[i] for i in idx]).to(dev)
                 adv = torch.cat([advantages[i] for i in idx]).to(dev)
-                if one_step:
+                if lazy_old:
                     old = lp.detach()
                     for i, part in zip(idx, old.cpu().split([lengths[i] for i in idx])):
                         old_lps[i] = part
                 else:
                     old = torch.cat([old_lps[i] for i in idx]).to(dev)
-                pg, clipfrac = policy_loss(lp, old, adv, args.eps_clip, args.eps_clip_high)
+                pg, clipfrac = policy_loss(
+                    lp, old, adv, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c,
+                    response_lengths=[lengths[i] for i in idx], loss_mask=mask, args=args,
+                )
                 tok_loss = pg
-                kl = torch.zeros_like(pg)
-                if self.use_kl:
+                kl_tok = torch.zeros_like(pg)
+                if self.use_kl_loss:
                     ref = torch.cat([ref_lps[i] for i in idx]).to(dev)
-                    kl = kl_penalty(lp, ref, args.kl_loss_type)
-                    tok_loss = tok_loss + args.kl_loss_coef * kl
+                    kl_tok = kl_penalty(lp, ref, args.kl_loss_type)
+                    tok_loss = tok_loss + args.kl_loss_coef * kl_tok
                 if args.entropy_coef:
                     tok_loss = tok_loss - args.entropy_coef * ent
                 with torch.no_grad():
-                    vals = (tok_loss, pg, kl, ent, clipfrac, old - lp)
+                    vals = (tok_loss, pg, kl_tok, ent, clipfrac, old - lp)
                     sums.add_(torch.stack([masked_sum(v.detach().double(), mask) for v in vals]).cpu())
-                return masked_sum(tok_loss, mask) / denom * self.world_size
+                w = torch.cat([weight_of[i] for i in idx]).to(dev)
+                return (tok_loss * w).sum() * self.world_size
 
             grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn,
                                             entropy_grad=bool(args.entropy_coef)))
@@ -188,6 +251,74 @@ class TrainActor:
         metrics["train/lr"] = be.lr
         if diff[1] > 0:
             metrics["train/train_rollout_logprob_abs_diff"] = float(diff[0] / diff[1])
+        adv_stats = be.all_reduce_sum(whiten_stats(advantages, masks))
+        metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
+        return metrics
+
+    def last_returns(self) -> list[Tensor] | None:
+        """The critic's targets from the last `train` (PPO): advantages + values, before whitening."""
+        return self._returns
+
+    # ------------------------------------------------------------ critic (role "critic")
+
+    def _no_grad_values(self, batch: RolloutBatch) -> list[Tensor]:
+        out: list[Tensor] = []
+        for idx in self._micro_batches(batch, list(range(len(batch)))):
+            v = self.backend.forward_values(self._mb(batch, idx), grad=False)
+            out.extend(v.detach().cpu().split([batch.response_lengths[i] for i in idx]))
+        return out
+
+    def compute_values(self, rollout_id: int, batch: RolloutBatch) -> list[Tensor]:
+        """The critic's per-token values of `batch` before any update (kept as the value-clip anchor)."""
+        if self.role != "critic":
+            raise RuntimeError("compute_values is a critic method")
+        self._check(batch)
+        self._old_values = (rollout_id, self._no_grad_values(batch))
+        return self._old_values[1]
+
+    def train_critic(self, rollout_id: int, batch: RolloutBatch, returns: list[Tensor]) -> dict[str, float]:
+        """Regress values on `returns` (clipped value loss, `--value-clip`), same steps as the actor."""
+        args, be = self.args, self.backend
+        if self.role != "critic":
+            raise RuntimeError("train_critic is a critic method")
+        self._check(batch)
+        n = len(batch)
+        lengths = batch.response_lengths
+        masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
+        cached = getattr(self, "_old_values", None)
+        old_values = cached[1] if cached is not None and cached[0] == rollout_id else self._no_grad_values(batch)
+        if returns is None or len(returns) != n:
+            raise ValueError(f"critic got {0 if returns is None else len(returns)} returns for {n} samples")
+        dev = be.device
+        per_step = n // args.num_steps_per_rollout
+        keys = ("value_loss", "value_clipfrac", "values", "returns")
+        step_metrics, grad_norms = [], []
+        for s in range(args.num_steps_per_rollout):
+            step_idx = list(range(s * per_step, (s + 1) * per_step))
+            mbs = self._micro_batches(batch, step_idx)
+            weights, global_tokens = self._step_weights(masks, step_idx)
+            weight_of = dict(zip(step_idx, weights))
+            sums = torch.zeros(len(keys), dtype=torch.float64)
+
+            def loss_fn(k: int, values: Tensor, _ent) -> Tensor:
+                idx = mbs[k]
+                mask = torch.cat([masks[i] for i in idx]).to(dev)
+                old = torch.cat([old_values[i] for i in idx]).to(dev)
+                ret = torch.cat([torch.as_tensor(returns[i], dtype=torch.float32) for i in idx]).to(dev)
+                loss, clipfrac = value_loss(values, old, ret, args.value_clip)
+                with torch.no_grad():
+                    vals = (loss, clipfrac, values, ret)
+                    sums.add_(torch.stack([masked_sum(v.detach().double(), mask) for v in vals]).cpu())
+                w = torch.cat([weight_of[i] for i in idx]).to(dev)
+                return (loss * w).sum() * self.world_size
+
+            grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn))
+            step_metrics.append(be.all_reduce_sum(sums) / max(global_tokens, 1.0))
+        mean = torch.stack(step_metrics).mean(0)
+        metrics = {f"critic/{k}": float(mean[j]) for j, k in enumerate(keys)}
+        metrics["critic/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
+        metrics["critic/lr"] = be.lr
+        self._old_values = None
         return metrics
 
     # ------------------------------------------------------------ weights and checkpoints

@@ -47,10 +47,10 @@ class FSDPBackend:
     """One data-parallel rank of an FSDP2-sharded Hugging Face causal LM plus its optimizer."""
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, with_ref: bool = False):
+                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
         self.args = args
         self.rank = rank
@@ -78,9 +78,20 @@ class FSDPBackend:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")
 
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(
-            args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
-        )
+        self.value_head = value_head
+        if value_head:  # PPO critic: the same backbone with a freshly initialized 1-output token head
+            try:
+                model = AutoModelForTokenClassification.from_pretrained(
+                    args.hf_checkpoint, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+                )
+            except ValueError as e:
+                raise ValueError(f"the PPO critic needs a token-classification head for model type "
+                                 f"{self.hf_config.model_type!r} in transformers: {e}") from e
+            self.hf_config = model.config
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+            )
         model.eval()
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         if self.device.type == "cuda":
@@ -94,7 +105,7 @@ class FSDPBackend:
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=args.lr,
+            lr=args.critic_lr if value_head else args.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
@@ -126,7 +137,25 @@ class FSDPBackend:
         with torch.set_grad_enabled(grad and not ref):
             return self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
 
-    def _forward(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
+    def forward_values(self, mb, *, grad: bool = False) -> Tensor:
+        """Critic values of every response token of a micro-batch (value head models only).
+
+        returns Tensor[N], N = sum(response_lengths), in sample order: response token t's value
+        is the head's output at position t-1 (the state it is generated from), aligned with
+        the log-probs of `forward_logprobs`.
+        """
+        if not self.value_head:
+            raise RuntimeError("forward_values needs a backend built with value_head=True")
+        with torch.set_grad_enabled(grad):
+            ids, attn, prompt_lens = self._pad(mb)
+            out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[..., 0]  # [B, t]
+            values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
+                                enumerate(zip(prompt_lens, mb.response_lengths))])
+            if values.numel() == 0 and torch.is_grad_enabled():
+                values = values + 0.0 * out.sum()
+            return values.float()
+
+    def _pad(self, mb) -> tuple[Tensor, Tensor, list[int]]:
         lens = [len(t) for t in mb.tokens]
         prompt_lens = [n - r for n, r in zip(lens, mb.response_lengths)]
         for i, (p, r) in enumerate(zip(prompt_lens, mb.response_lengths)):
@@ -139,7 +168,11 @@ class FSDPBackend:
         for i, toks in enumerate(mb.tokens):
             ids[i, : lens[i]] = torch.as_tensor(toks, dtype=torch.long)
             attn[i, : lens[i]] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
+        return ids.to(self.device), attn.to(self.device), prompt_lens
+
+    def _forward(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
+        ids, attn, prompt_lens = self._pad(mb)
+        b, t = ids.shape
 
         # logits are needed from the first position that scores a response token on
         start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
@@ -175,11 +208,15 @@ class FSDPBackend:
         """Forward/backward every micro-batch, clip, optimizer step, zero grad.
 
         loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) -> scalar loss of micro-batch k,
-        already scaled for accumulation (the backend only sums gradients).
+        already scaled for accumulation (the backend only sums gradients). A value-head
+        backend calls loss_fn(k, values Tensor[N_k], None).
         returns the total gradient norm before clipping (identical on every rank).
         """
         for k, mb in enumerate(micro_batches):
-            lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
+            if self.value_head:
+                lp, ent = self.forward_values(mb, grad=True), None
+            else:
+                lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
             loss = loss_fn(k, lp, ent)
             loss.backward()
         max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf

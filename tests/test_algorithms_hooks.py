@@ -1,0 +1,227 @@
+"""Contract tests of the algorithm extension points (docs/algorithms.md): every hook is a user
+function loaded by dotted path from a temporary module, called with the documented signature."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from slime.types import Sample, SampleStatus
+from slime.utils.errors import SlimeConfigError
+from slime.utils.hooks import load_function
+
+HOOKS = '''
+import torch
+from slime.algorithms.losses import ppo_policy_loss
+from slime.rollout.filters import DynamicFilterOutput
+
+CALLS = []
+
+def double_ppo(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high=None, *, eps_clip_c=None,
+               response_lengths=None, loss_mask=None, args=None):
+    CALLS.append(("loss", len(response_lengths), int(loss_mask.sum())))
+    loss, clipfrac = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+    return 2 * loss, clipfrac
+
+def doubled_rewards(args, rewards, response_lengths, *, loss_masks, kl, values, group_indices, raw_rewards,
+                    **_):
+    CALLS.append(("advantage", len(response_lengths)))
+    return [torch.full((n,), 2 * float(r)) for r, n in zip(rewards, response_lengths)]
+
+def keep_if_any_correct(args, samples):
+    return DynamicFilterOutput(keep=any(s.reward == 1.0 for s in samples), reason="all_wrong")
+
+def keep_bool(args, samples):
+    return True
+
+def reward_is_length(args, samples):
+    return [float(s.response_length) for s in samples]
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def hook_module(tmp_path, monkeypatch):
+    name = f"user_hooks_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_load_function_by_dotted_path_and_by_file(hook_module, tmp_path):
+    fn = load_function(f"{hook_module}.keep_bool", "--dynamic-sampling-filter-path")
+    assert fn(None, []) is True
+    fn2 = load_function(f"{tmp_path / (hook_module + '.py')}:reward_is_length", "--custom-reward-post-process-path")
+    assert fn2(None, [Sample(response_length=3)]) == [3.0]
+    # cached: loaded once per path
+    assert load_function(f"{hook_module}.keep_bool", "--dynamic-sampling-filter-path") is fn
+
+
+@pytest.mark.parametrize("path, message", [
+    ("no_such_module_xyz.fn", "cannot import module 'no_such_module_xyz'"),
+    ("{mod}.missing", "has no attribute 'missing'"),
+    ("{mod}.not_callable", "is not callable"),
+    ("nodots", "expected a dotted path"),
+    ("/no/such/file.py:fn", "file /no/such/file.py does not exist"),
+])
+def test_load_function_errors_name_the_flag(hook_module, path, message):
+    with pytest.raises(SlimeConfigError) as e:
+        load_function(path.format(mod=hook_module), "--custom-loss-function-path")
+    assert str(e.value).startswith("--custom-loss-function-path ")
+    assert message in str(e.value)
+
+
+def test_bad_hook_path_fails_at_parse_time(tiny_model_dir, tmp_path):
+    from test_fsdp_trainer import make_args
+
+    with pytest.raises(SlimeConfigError, match="--dynamic-sampling-filter-path nope.fn"):
+        make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--dynamic-sampling-filter-path", "nope.fn")
+
+
+# ---------------------------------------------------------------- trainer hooks
+
+
+def test_custom_loss_and_custom_advantage_are_used_by_the_trainer(tiny_model_dir, tmp_path, hook_module):
+    from test_fsdp_trainer import _grads_after_train, make_args, synthetic_batch
+
+    batch = synthetic_batch(tiny_model_dir, 6, seed=4)
+    common = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--micro-batch-size", 4, "--clip-grad", 0]
+    base, _ = _grads_after_train(make_args(tiny_model_dir, tmp_path, *common), batch)
+    calls = sys.modules.setdefault(hook_module, __import__(hook_module)).CALLS
+    calls.clear()
+    loss_args = make_args(tiny_model_dir, tmp_path, *common, "--custom-loss-function-path", f"{hook_module}.double_ppo")
+    doubled_loss, _ = _grads_after_train(loss_args, batch)
+    adv_args = make_args(tiny_model_dir, tmp_path, *common,
+                         "--custom-advantage-function-path", f"{hook_module}.doubled_rewards")
+    doubled_adv, _ = _grads_after_train(adv_args, batch)
+    for k in base:
+        torch.testing.assert_close(doubled_loss[k], 2 * base[k], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(doubled_adv[k], 2 * base[k], atol=1e-6, rtol=1e-5)
+    # micro-batches of 4 and 2 samples; the advantage function sees the rank's 6 samples once
+    assert [c for c in calls if c[0] == "loss"] == [("loss", 4, sum(map(sum, batch.loss_masks[:4]))),
+                                                    ("loss", 2, sum(map(sum, batch.loss_masks[4:])))]
+    assert [c for c in calls if c[0] == "advantage"] == [("advantage", 6)]
+
+
+# ---------------------------------------------------------------- rollout hooks
+
+
+class _Prompt:
+    def __init__(self, i):
+        self.prompt, self.label, self.metadata, self.input_ids = f"p{i}", i, {}, [1, 2]
+
+
+class _Source:
+    def __init__(self):
+        self.next = 0
+
+    def next_prompts(self, n):
+        out = [_Prompt(self.next + i) for i in range(n)]
+        self.next += n
+        return out
+
+
+def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
+    """A RolloutManager without engines: generation gives prompt p (label p) responses of p % 3 + 1 tokens,
+    all with reward 1 when p is even, else 0 (1 for the first sample when p % 4 == 1)."""
+    import slime.rollout.manager as manager_mod
+    from test_fsdp_trainer import make_args
+
+    async def fake_generate_all(args, engines, reward_fn, samples, rollout_id, evaluation):
+        for s in samples:
+            p = s.label
+            s.response_length = p % 3 + 1
+            s.tokens = s.tokens + [5] * s.response_length
+            s.loss_mask = [1] * s.response_length
+            s.rollout_log_probs = [-1.0] * s.response_length
+            s.reward = 1.0 if p % 2 == 0 or (p % 4 == 1 and s.index % args.n_samples_per_prompt == 0) else 0.0
+            s.status = SampleStatus.COMPLETED
+        return samples
+
+    monkeypatch.setattr(manager_mod, "_generate_all", fake_generate_all)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    args = make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2, *extra)
+    m = manager_mod.RolloutManager(args)
+    m.data_source, m.engines, m.reward_fn = _Source(), None, None
+    m.dynamic_filter = m._hook("dynamic_sampling_filter_path")
+    m.reward_post_process = m._hook("custom_reward_post_process_path")
+    return m
+
+
+def test_dynamic_sampling_over_samples_until_enough_groups_are_kept(tiny_model_dir, tmp_path, monkeypatch,
+                                                                   hook_module):
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 4, "--over-sampling-batch-size", 6,
+                 "--global-batch-size", 8, "--dynamic-sampling-filter-path", f"{hook_module}.keep_if_any_correct")
+    samples, generated, metrics = m._sample_groups(0)
+    # prompts 0..5 keep 0, 1, 2, 4, 5 (3 is all wrong) -> 5 >= 4 in one round; the first 4 kept are 0, 1, 2, 4
+    assert [s.label for s in samples] == [0, 0, 1, 1, 2, 2, 4, 4]
+    assert len(generated) == 12
+    assert metrics["rollout/dynamic_filter/drop_all_wrong"] == 1.0
+    assert metrics["rollout/dynamic_filter/rounds"] == 1.0
+    assert metrics["rollout/dynamic_filter/fallback_groups"] == 0.0
+    assert len({s.index for s in generated}) == 12  # unique sample indices (and sampling seeds)
+
+
+def test_dynamic_sampling_launches_more_rounds_and_falls_back(tiny_model_dir, tmp_path, monkeypatch):
+    flt = "slime.rollout.filters.check_reward_nonzero_std"
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 2, "--global-batch-size", 4,
+                 "--dynamic-sampling-filter-path", flt)
+    samples, generated, metrics = m._sample_groups(0)
+    # only p % 4 == 1 groups have nonzero std: rounds of 2 prompts -> p=1 in round 1, p=5 in round 3
+    assert [s.label for s in samples] == [1, 1, 5, 5]
+    assert metrics["rollout/dynamic_filter/rounds"] == 3.0
+    assert metrics["rollout/dynamic_filter/drop_zero_std"] == 4.0
+    assert len({s.group_index for s in generated}) == 6
+    m2 = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 2, "--global-batch-size", 4,
+                  "--dynamic-sampling-filter-path", flt, "--dynamic-sampling-max-rounds", 1)
+    samples, _, metrics = m2._sample_groups(0)
+    assert [s.label for s in samples] == [0, 0, 1, 1]  # one kept (p=1), one rejected group fills the batch
+    assert metrics["rollout/dynamic_filter/fallback_groups"] == 1.0
+
+
+def test_reward_post_process_hook_and_overlong_penalty(tiny_model_dir, tmp_path, monkeypatch, hook_module):
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
+                 "--custom-reward-post-process-path", f"{hook_module}.reward_is_length")
+    samples, _, _ = m._sample_groups(0)
+    batch = m._to_train_batch(samples)
+    assert batch.rewards == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert batch.raw_rewards == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+
+    # default path, reinforce_plus_plus (raw rewards) + overlong penalty: max 3, buffer 2 -> lengths 1, 2, 3
+    # get 0, -0.5, -1 (factor 1)
+    m = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
+                 "--advantage-estimator", "reinforce_plus_plus", "--rollout-max-response-len", 3,
+                 "--overlong-buffer-len", 2)
+    batch = m._to_train_batch(m._sample_groups(0)[0])
+    assert batch.rewards == [1.0, 1.0, 0.5, -0.5, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------- algorithm flags
+
+
+def test_algorithm_flags_derived_values_and_errors(tiny_model_dir, tmp_path):
+    from test_fsdp_trainer import make_args
+
+    base = ["--rollout-batch-size", 2, "--n-samples-per-prompt", 2]
+    args = make_args(tiny_model_dir, tmp_path, *base, "--advantage-estimator", "ppo", "--lr", 2e-5)
+    assert args.use_critic and args.critic_lr == 2e-5 and args.policy_loss_type == "ppo"
+    assert args.over_sampling_batch_size == 2 and args.rewards_normalization and args.grpo_std_normalization
+    args = make_args(tiny_model_dir, tmp_path, *base, "--advantage-estimator", "gspo",
+                     "--disable-grpo-std-normalization")
+    assert not args.use_critic and args.policy_loss_type == "gspo" and not args.grpo_std_normalization
+    for extra, message in [
+        (["--kl-coef", 0.1], "--kl-coef (KL in the reward) has no effect with --advantage-estimator grpo"),
+        (["--over-sampling-batch-size", 1], "--over-sampling-batch-size 1 must be >= --rollout-batch-size 2"),
+        (["--eps-clip-c", 1.0], "--eps-clip-c must be > 1"),
+        (["--gamma", 1.5], "--gamma must be in [0, 1]"),
+        (["--overlong-buffer-len", 1024], "--overlong-buffer-len must be in [0, --rollout-max-response-len 1024)"),
+    ]:
+        with pytest.raises(SlimeConfigError) as e:
+            make_args(tiny_model_dir, tmp_path, *base, *extra)
+        assert message in str(e.value)

@@ -1,0 +1,38 @@
+import json
+import os
+
+import pytest
+
+from slime.observability.metrics import MetricsLogger, console_line
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    logger = MetricsLogger(tmp_path)
+    logger.log(0, {"rollout_id": 0, "rollout/raw_reward": 0.25, "note": "x"})
+    logger.log(1, {"rollout_id": 1, "rollout/raw_reward": 0.5})
+    logger.close()
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [l["rollout/raw_reward"] for l in lines] == [0.25, 0.5]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/raw_reward")] == [(0, 0.25), (1, 0.5)]
+
+
+def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(tmp_path, tensorboard=False,
+                           wandb_config={"project": "slime-test", "name": "t", "mode": "offline", "config": {"lr": 1}})
+    logger.log(0, {"rollout_id": 0, "rollout/raw_reward": 0.25})
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert any(f.suffix == ".wandb" and f.stat().st_size > 0 for f in runs[0].iterdir())
+
+
+def test_console_line():
+    line = console_line(3, {"rollout/raw_reward": 0.5, "train/pg_loss": -0.01, "perf/rollout_time": 2.0})
+    assert line == "rollout 3 | reward=0.500 | pg_loss=-0.0100 | rollout_s=2.0"
