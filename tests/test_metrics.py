@@ -36,3 +36,22 @@ def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
 def test_console_line():
     line = console_line(3, {"rollout/raw_reward": 0.5, "train/pg_loss": -0.01, "perf/rollout_time": 2.0})
     assert line == "rollout 3 | reward=0.500 | pg_loss=-0.0100 | rollout_s=2.0"
+
+
+def test_resume_sets_aside_records_that_rerun(tmp_path):
+    from slime.observability.metrics import set_aside_rerun_records
+
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"rollout_id": 0, "trained_rollouts": 0, "eval/x": 0.1}]
+    recs += [{"rollout_id": i, "rollout/raw_reward": i} for i in range(4)]
+    recs.insert(3, {"rollout_id": 2, "trained_rollouts": 2, "eval/x": 0.2})  # eval after 2 rollouts
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"rollout_id": 4, "rollo')
+    # checkpoint after rollout 1 -> resume at 2: rollouts 2 and 3 run again (moved aside); the eval
+    # after 2 rollouts measured the checkpointed policy and is kept
+    side = set_aside_rerun_records(path, start_rollout_id=2)
+    kept = [json.loads(l) for l in open(path)]
+    assert [(r["rollout_id"], "trained_rollouts" in r) for r in kept] == [(0, True), (0, False), (1, False), (2, True)]
+    moved = side.read_text().splitlines()
+    assert [json.loads(l)["rollout_id"] for l in moved[:2]] == [2, 3] and moved[2].startswith('{"rollout_id": 4')
+    assert side.name == "metrics.rerun-1.jsonl"
+    assert set_aside_rerun_records(path, start_rollout_id=2) is None  # idempotent

@@ -34,7 +34,11 @@ class MetricsLogger:
             self._wandb = wandb.init(dir=str(self.output_dir), **wandb_config)
 
     @classmethod
-    def from_args(cls, args) -> "MetricsLogger":
+    def from_args(cls, args, start_rollout_id: int = 0) -> "MetricsLogger":
+        """The run's logger; on a resumed run (`start_rollout_id` > 0) records of the rollouts that
+        will run again are first moved aside (see `set_aside_rerun_records`)."""
+        if start_rollout_id > 0:
+            set_aside_rerun_records(Path(args.output_dir) / "metrics.jsonl", start_rollout_id)
         wandb_config = None
         if args.use_wandb:
             wandb_config = {
@@ -64,6 +68,37 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def set_aside_rerun_records(path: Path, start_rollout_id: int) -> Path | None:
+    """Before resuming at `start_rollout_id`: move records that the resumed run will write again
+    (training records of rollouts >= start, evals after more than `start` rollouts) from
+    `metrics.jsonl` into `metrics.rerun-<n>.jsonl`, so the main file holds each rollout once
+    and nothing already written is lost. Returns the side file, or None if nothing moved."""
+    if not path.is_file():
+        return None
+    keep, rerun = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash belongs to a rollout that reruns
+            rerun.append(line if line.endswith("\n") else line + "\n")
+            continue
+        later = rec.get("trained_rollouts", -1) > start_rollout_id if "trained_rollouts" in rec \
+            else rec.get("rollout_id", -1) >= start_rollout_id
+        (rerun if later else keep).append(line)
+    if not rerun:
+        return None
+    k = 1
+    while (side := path.with_name(f"metrics.rerun-{k}.jsonl")).exists():
+        k += 1
+    side.write_text("".join(rerun), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    return side
 
 
 def console_line(rollout_id: int, record: dict) -> str:
