@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-request-timeout", type=float, default=600.0,
                    help="seconds one /generate call may take before it is an error")
     g.add_argument("--engine-startup-timeout", type=float, default=300.0)
+    g.add_argument("--stage-timeout", type=float, default=3600.0,
+                   help="seconds any one stage (a rollout, a train step, a weight sync, a save) may take "
+                        "before the run stops with an error naming the stage and the actor")
 
     g = p.add_argument_group("training")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")

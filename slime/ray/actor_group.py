@@ -17,17 +17,19 @@ import socket
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.arguments import num_cpu_threads
 from slime.training.actor import TrainActor
-from slime.utils.errors import SlimeError
+from slime.ray.calls import first_line
+from slime.utils.errors import RunFailure, SlimeError
 
 MASTER_ADDR = "127.0.0.1"
 
 
-class TrainGroupError(RuntimeError):
+class TrainGroupError(RunFailure):
     """A train rank failed; the message names the role, rank and method."""
 
 
@@ -87,12 +89,20 @@ class TrainGroup:
         rank_of = {r: i for i, r in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
+        timeout = getattr(self.args, "stage_timeout", None)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not ready:
+                ranks = sorted(rank_of[r] for r in pending)
+                raise TrainGroupError(
+                    f"{self.role} rank(s) {ranks}: {method} did not finish within {timeout:.0f} s (--stage-timeout)"
+                )
             ref = ready[0]
             rank = rank_of[ref]
             try:
                 results[rank] = ray.get(ref)
+            except RayActorError as e:
+                raise TrainGroupError(f"{self.role} rank {rank}: died during {method} ({first_line(e)})") from None
             except Exception as e:  # noqa: BLE001 - re-raised with the rank
                 cause = getattr(e, "cause", None) or e
                 msg = f"{self.role} rank {rank}: {method} failed: {type(cause).__name__}: {cause}"

@@ -18,6 +18,11 @@ class DataError(SlimeError):
     """Bad prompt data; the message names the file and line (or row) and field."""
 
 
+class RunFailure(SlimeError):
+    """The run cannot go on (an actor died, a stage timed out); the message names the stage and the
+    actor. Exit status 1 (bad input is 2)."""
+
+
 def _user_error(exc: BaseException | None) -> SlimeError | None:
     """The SlimeError behind `exc`: itself, or the cause Ray wraps around an actor's exception."""
     seen = 0
@@ -41,4 +46,4 @@ def run_main(main: Callable[[], object]) -> None:
         if err is None:
             raise
         print(f"slime: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1 if isinstance(err, RunFailure) else 2)

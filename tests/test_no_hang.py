@@ -1,0 +1,67 @@
+"""A dead or stuck actor ends the run with an error that names the stage and the actor."""
+
+import os
+import time
+
+import pytest
+import ray
+
+from slime.arguments import parse_args
+from slime.ray.calls import get
+from slime.utils.errors import RunFailure
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Sleeper:
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def pid(self):
+        return os.getpid()
+
+
+def test_stage_timeout_names_stage_and_actor(ray_session):
+    actor = Sleeper.remote()
+    start = time.monotonic()
+    with pytest.raises(RunFailure, match=r"^rollout 3: RolloutManager did not finish within 1 s \(--stage-timeout\)$"):
+        get(actor.nap.remote(30), stage="rollout 3", actor="RolloutManager", timeout=1)
+    assert time.monotonic() - start < 10
+    ray.kill(actor)
+
+
+def test_dead_actor_names_stage_and_actor(ray_session):
+    actor = Sleeper.remote()
+    ref = actor.nap.remote(30)
+    time.sleep(1)
+    ray.kill(actor)
+    with pytest.raises(RunFailure, match=r"^eval: RolloutManager died \("):
+        get(ref, stage="eval", actor="RolloutManager", timeout=30)
+
+
+def test_killed_train_rank_is_a_clear_error_within_the_timeout(tiny_model_dir, tmp_path, ray_session):
+    from slime.ray.actor_group import TrainGroup, TrainGroupError
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input": "1"}\n')
+    args = parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", str(prompts), "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--actor-num-gpus-per-node", "2", "--stage-timeout", "60",
+                       "--output-dir", str(tmp_path / "o")])
+    group = TrainGroup(args)
+    try:
+        group.init()
+        ray.kill(group._actors[1])
+        start = time.monotonic()
+        with pytest.raises(TrainGroupError, match=r"^actor rank 1: died during save \("):
+            group.save(str(tmp_path / "ckpt"))
+        assert time.monotonic() - start < 60
+    finally:
+        group.shutdown()
