@@ -16,6 +16,7 @@ from slime import checkpoint
 from slime.arguments import parse_args
 from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
+from slime.ray.calls import get
 from slime.ray.actor_group import TrainGroup
 from slime.rollout.manager import RolloutManager
 from slime.utils.errors import run_main
@@ -28,7 +29,7 @@ def main() -> None:
 
     # Rollout: data source, engines, rewards.
     rollout = ray.remote(num_cpus=0)(RolloutManager).remote(args, pgs)
-    engine_urls = ray.get(rollout.init.remote())
+    engine_urls = get(rollout.init.remote(), "start-up", "RolloutManager", args.stage_timeout)
 
     # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
     bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
@@ -36,7 +37,7 @@ def main() -> None:
     actor = TrainGroup(args, role="actor", bundles=bundles, critic=critic)
     actor.init()
     start_rollout_id = checkpoint.load(args, actor, rollout)
-    logger = MetricsLogger.from_args(args)
+    logger = MetricsLogger.from_args(args, start_rollout_id)
     print(f"slime: {args.num_engines} engine(s) at {', '.join(engine_urls)}; "
           f"{args.dp_size} train rank(s); metrics in {logger.path}")
 
@@ -48,35 +49,38 @@ def main() -> None:
             return
         due = trained_rollouts % args.eval_interval == 0 or trained_rollouts == args.num_rollout
         if due:
-            metrics = ray.get(rollout.eval.remote(trained_rollouts))
+            metrics = get(rollout.eval.remote(trained_rollouts), "eval", "RolloutManager", args.stage_timeout)
             logger.log(trained_rollouts, {"rollout_id": trained_rollouts, "trained_rollouts": trained_rollouts, **metrics})
             tqdm.write(f"eval after {trained_rollouts} rollouts: "
                        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1))
 
-    if start_rollout_id == 0:
-        evaluate(0)
-    for rollout_id in tqdm(range(start_rollout_id, args.num_rollout), desc="rollouts", unit="rollout",
-                           initial=start_rollout_id, total=args.num_rollout):
-        step_start = time.perf_counter()
-        data_refs, record = ray.get(rollout.generate.remote(rollout_id))
+    # A dead or stuck actor ends the run with an error that says where to resume from.
+    with checkpoint.resume_hint_on_failure(args):
+        if start_rollout_id == 0:
+            evaluate(0)
+        for rollout_id in tqdm(range(start_rollout_id, args.num_rollout), desc="rollouts", unit="rollout",
+                               initial=start_rollout_id, total=args.num_rollout):
+            step_start = time.perf_counter()
+            data_refs, record = get(rollout.generate.remote(rollout_id), f"rollout {rollout_id}", "RolloutManager",
+                                    args.stage_timeout)
 
-        train_start = time.perf_counter()
-        record.update(actor.train(rollout_id, data_refs))
-        record["perf/train_time"] = time.perf_counter() - train_start
+            train_start = time.perf_counter()
+            record.update(actor.train(rollout_id, data_refs))
+            record["perf/train_time"] = time.perf_counter() - train_start
 
-        sync_start = time.perf_counter()
-        actor.update_weights(engine_urls, weight_version=rollout_id + 1)
-        record["perf/update_weights_time"] = time.perf_counter() - sync_start
-        record["perf/step_time"] = time.perf_counter() - step_start
+            sync_start = time.perf_counter()
+            actor.update_weights(engine_urls, weight_version=rollout_id + 1)
+            record["perf/update_weights_time"] = time.perf_counter() - sync_start
+            record["perf/step_time"] = time.perf_counter() - step_start
 
-        logger.log(rollout_id, {"rollout_id": rollout_id, **record})
-        tqdm.write(console_line(rollout_id, record))
+            logger.log(rollout_id, {"rollout_id": rollout_id, **record})
+            tqdm.write(console_line(rollout_id, record))
 
-        last = rollout_id + 1 == args.num_rollout
-        if args.save and (last or (args.save_interval and (rollout_id + 1) % args.save_interval == 0)):
-            path = checkpoint.save(args, rollout_id, actor, rollout)
-            tqdm.write(f"saved {path}")
-        evaluate(rollout_id + 1)
+            last = rollout_id + 1 == args.num_rollout
+            if args.save and (last or (args.save_interval and (rollout_id + 1) % args.save_interval == 0)):
+                path = checkpoint.save(args, rollout_id, actor, rollout)
+                tqdm.write(f"saved {path}")
+            evaluate(rollout_id + 1)
 
     logger.close()
     ray.get(rollout.shutdown.remote())

@@ -13,12 +13,15 @@ checkpoint whole and `latest` pointing at it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import ray
+
+from slime.utils.errors import RunFailure
 
 LATEST = "latest"
 
@@ -79,3 +82,15 @@ def load(args, actor, rollout_manager) -> int:
     rollout_id = json.loads((path / "meta.json").read_text())["rollout_id"]
     print(f"slime: resumed from {path} (rollout {rollout_id})")
     return rollout_id + 1
+
+
+@contextlib.contextmanager
+def resume_hint_on_failure(args):
+    """Append where to resume from to a RunFailure raised inside the block."""
+    try:
+        yield
+    except RunFailure as e:
+        newest = latest(args.save) if args.save else None
+        hint = (f"the newest checkpoint is {newest}; resume with --load {args.save}" if newest is not None
+                else "no checkpoint was written (add --save DIR --save-interval N to make runs resumable)")
+        raise RunFailure(f"{e}; {hint}") from e
