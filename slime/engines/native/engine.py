@@ -326,6 +326,13 @@ class NativeEngine:
             self._stats["weight_updates"] += 1
         return self.weight_version
 
+    def weights_checksum(self) -> dict[str, str]:
+        """{parameter name: sha256 of its bytes} for every parameter (tied ones once), between steps."""
+        from slime.utils.weights import tensor_digest
+
+        with self._exclusive():
+            return {name: tensor_digest(p) for name, p in self.model.named_parameters()}
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Load every *.safetensors file of a Hugging Face directory in place."""
         from safetensors.torch import load_file

@@ -175,6 +175,13 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": request.app[ENGINE_KEY].weight_version})
 
 
+async def weights_checksum(request: web.Request) -> web.Response:
+    """slime-native: sha256 of every parameter, for --check-weight-update-equal."""
+    engine = request.app[ENGINE_KEY]
+    checksums = await asyncio.to_thread(engine.weights_checksum)
+    return web.json_response({"weight_version": engine.weight_version, "checksums": checksums})
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     request.app[ENGINE_KEY].flush_cache()
     return web.json_response({"success": True, "message": "Cache flushed."})
@@ -244,6 +251,7 @@ def create_app(engine: NativeEngine, shutdown_engine: bool = True) -> web.Applic
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_get("/weights_checksum", weights_checksum)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/pause_generation", pause_generation)

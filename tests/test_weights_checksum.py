@@ -1,0 +1,28 @@
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.engines.native.engine import NativeEngine
+from slime.utils.weights import compare_digests, tensor_digest
+
+
+def test_engine_checksums_track_weight_updates(tiny_model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    expected = {n: tensor_digest(p) for n, p in reference.named_parameters()}
+    engine = NativeEngine(tiny_model_dir).start()
+    try:
+        assert compare_digests(expected, engine.weights_checksum()) == []
+        name = "model.norm.weight"
+        engine.update_weights({name: reference.get_parameter(name).detach() + 1e-3}, weight_version="1")
+        assert compare_digests(expected, engine.weights_checksum()) == [name]
+    finally:
+        engine.shutdown()
+
+
+def test_digest_sees_dtype_shape_and_one_bit():
+    t = torch.arange(6, dtype=torch.float32)
+    assert tensor_digest(t) == tensor_digest(t.clone())
+    assert tensor_digest(t) != tensor_digest(t.reshape(2, 3))
+    assert tensor_digest(t) != tensor_digest(t.double())
+    u = t.clone()
+    u.view(torch.int32)[3] ^= 1  # flip the lowest mantissa bit
+    assert tensor_digest(t) != tensor_digest(u)
