@@ -143,3 +143,17 @@ def test_bad_input_one_clear_line(task, tmp_path, case):
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("slime: error:")]
     assert len(error_lines) == 1, proc.stderr[-3000:]
     assert expected in error_lines[0]
+
+
+def test_two_train_ranks_and_two_engines(task, tmp_path):
+    out = tmp_path / "out"
+    cmd = shape_cmd(task, out, "--num-rollout", "2")
+    cmd[cmd.index("--actor-num-gpus-per-node") + 1] = "2"
+    cmd[cmd.index("--rollout-num-gpus") + 1] = "2"
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 engine(s) at" in proc.stdout and "2 train rank(s)" in proc.stdout
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert logs == ["engine_0.log", "engine_1.log"]
+    for rec in records(out):
+        assert rec["train/train_rollout_logprob_abs_diff"] < 1e-3
