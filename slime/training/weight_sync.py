@@ -110,3 +110,169 @@ def sync_weights(
                       timeout, pool)
     return {"bytes": tensor_bytes, "payload_bytes": payload_bytes, "buckets": n_buckets,
             "seconds": time.perf_counter() - t0, "num_engines": len(engine_urls)}
+
+
+# ---------------------------------------------------------------- trainer -> engines over a process group
+DIST_INIT_ENDPOINT = "/init_weights_update_group"
+DIST_ENDPOINT = "/update_weights_from_distributed"
+
+
+class BroadcastGroup:
+    """The trainer's end (rank 0) of a weight-broadcast group with `engine_urls` (ranks 1..N).
+
+    Built with `init_broadcast_group`; reuse it for every update and `close()` it at the end.
+    The group is a private TCPStore + process group (gloo on CPU, NCCL on GPU), independent
+    of the trainer's own default process group.
+    """
+
+    def __init__(self, pg, engine_urls: list[str], group_name: str, backend: str, device):
+        self.pg = pg
+        self.engine_urls = list(engine_urls)
+        self.group_name = group_name
+        self.backend = backend
+        self.device = device
+
+    def close(self, timeout: float = 30.0) -> None:
+        from slime.engines.client import EngineError, post_json
+
+        for url in self.engine_urls:
+            try:
+                post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=timeout)
+            except EngineError as e:
+                logger.warning("could not destroy weight group on %s: %s", url, e)
+        self.pg = None
+        self.store = None
+
+
+def _new_broadcast_pg(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+                      timeout_s: float):
+    """Rank 0's process group object over a dedicated TCPStore (no default group involved)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    store = dist.PrefixStore(f"slime_weights/{group_name}", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
+        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
+    return pg, store  # the store (rank 0 runs its server) must live as long as the group
+
+
+def init_broadcast_group(
+    engine_urls: list[str],
+    *,
+    master_address: str = "127.0.0.1",
+    master_port: int | None = None,
+    group_name: str = "slime_weight_sync",
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> BroadcastGroup:
+    """Create the broadcast group: POST /init_weights_update_group to every engine (engine i
+    joins as rank i + 1) while this process joins as rank 0. backend: gloo (CPU tensors) or
+    nccl (CUDA tensors); default nccl when CUDA is available."""
+    import torch
+
+    from slime.engines.client import EngineError, post_json
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if master_port is None:
+        from slime.engines.launcher import free_port
+
+        master_port = free_port(master_address)
+    world_size = len(engine_urls) + 1
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(engine_urls)))) as pool:
+        futs = [pool.submit(post_json, url, DIST_INIT_ENDPOINT, {
+            "master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout)
+            for i, url in enumerate(engine_urls)]
+        pg, store = _new_broadcast_pg(master_address, master_port, world_size, group_name, backend, timeout)
+        for url, fut in zip(engine_urls, futs):
+            resp = fut.result()
+            if not resp.get("success", False):
+                raise EngineError(f"POST {url}{DIST_INIT_ENDPOINT} did not succeed: {resp!r}", url=url,
+                                  endpoint=DIST_INIT_ENDPOINT)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    group = BroadcastGroup(pg, engine_urls, group_name, backend, device)
+    group.store = store
+    return group
+
+
+def broadcast_weights(
+    named_weights: Iterable[tuple[str, Tensor]],
+    engine_urls: list[str],
+    weight_version: int | str,
+    buffer_size: int = 512 << 20,
+    *,
+    group: BroadcastGroup | None = None,
+    send: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    **group_kwargs,
+) -> dict[str, float]:
+    """Push weights to every engine over a process group (SGLang's
+    `/update_weights_from_distributed` protocol); returns sizes and times like `sync_weights`.
+
+    For each bucket (<= buffer_size tensor bytes) rank 0 POSTs the names/dtypes/shapes to
+    every engine and broadcasts the tensors in that order; the engines receive them and copy
+    them in place. `group`: a `BroadcastGroup` from `init_broadcast_group` (made here, and
+    closed at the end, when None; `group_kwargs` go to `init_broadcast_group`). Every rank
+    must iterate `named_weights` (gathers are collective); only `send=True` talks to engines.
+    """
+    from slime.engines.client import EngineError, post_json
+
+    t0 = time.perf_counter()
+    if not send:
+        for _ in named_weights:
+            pass
+        return {"bytes": 0, "buckets": 0, "seconds": time.perf_counter() - t0, "num_engines": len(engine_urls)}
+    own = group is None
+    if own:
+        group = init_broadcast_group(engine_urls, timeout=timeout, **group_kwargs)
+    tensor_bytes = n_buckets = 0
+    try:
+        buckets = iter_buckets(named_weights, buffer_size)
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(engine_urls)))) as pool:
+            for bucket in buckets:
+                tensors = [t.detach().to(group.device).contiguous() for _, t in bucket]
+                payload = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
+                    "shapes": [list(t.shape) for t in tensors],
+                    "group_name": group.group_name,
+                    "weight_version": str(weight_version),
+                    "flush_cache": True,
+                }
+                futs = [pool.submit(post_json, url, DIST_ENDPOINT, payload, timeout) for url in engine_urls]
+                works = [group.pg.broadcast(t, 0) for t in tensors]
+                deadline = time.monotonic() + timeout
+                while not all(w.is_completed() for w in works):
+                    # an engine that refused the bucket never receives: fail fast instead of hanging
+                    for fut in futs:
+                        if fut.done() and fut.exception() is not None:
+                            raise fut.exception()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"weight broadcast did not complete within {timeout}s")
+                    time.sleep(0.001)
+                for w in works:
+                    w.wait()
+                for url, fut in zip(engine_urls, futs):
+                    resp = fut.result()
+                    if not resp.get("success", False):
+                        raise EngineError(f"POST {url}{DIST_ENDPOINT} did not succeed: {resp!r}", url=url,
+                                          endpoint=DIST_ENDPOINT)
+                tensor_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                n_buckets += 1
+    finally:
+        if own:
+            group.close()
+    return {"bytes": tensor_bytes, "buckets": n_buckets, "seconds": time.perf_counter() - t0,
+            "num_engines": len(engine_urls)}

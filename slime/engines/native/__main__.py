@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens admitted per prefill step")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache budget in tokens (rows x padded length of the running batch); requests wait "
+                        "when admitting them could exceed it. Default: 30%% of free memory")
     p.add_argument("--context-length", type=int, default=None, help="defaults to the config's max_position_embeddings")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS if set, else the usable CPU count)")
     p.add_argument("--random-seed", type=int, default=0)
@@ -52,6 +55,7 @@ async def _serve(args) -> None:
         random_seed=args.random_seed,
         context_length=args.context_length,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_total_tokens=args.max_total_tokens,
     )
     app = create_app(engine)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, handler_cancellation=True)

@@ -97,6 +97,7 @@ class NativeEngine:
         random_seed: int = 0,
         context_length: int | None = None,
         max_prefill_tokens: int = 16384,
+        max_total_tokens: int | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,6 +134,14 @@ class NativeEngine:
             pad = 0
         self.pad_token_id = int(pad)
         self._params_by_name = dict(self.model.state_dict(keep_vars=True))
+        self.kv_bytes_per_token = _kv_bytes_per_token(cfg, self.dtype)
+        if max_total_tokens is None:
+            max_total_tokens = default_max_total_tokens(
+                self.kv_bytes_per_token, self.max_running_requests * self.max_context_length, self.device
+            )
+        if max_total_tokens < 2:
+            raise ValueError("max_total_tokens must be >= 2")
+        self.max_total_tokens = int(max_total_tokens)
 
         self.weight_version = "0"
         self._engine_generator = torch.Generator(device=self.device)
@@ -154,6 +163,11 @@ class NativeEngine:
         self._last_tokens: torch.Tensor | None = None  # [B] long, sampled but not yet in cache
         self._stats = collections.Counter()
         self._max_batch = 0
+        self._kv_tokens = 0  # rows x padded length of the running batch's KV cache
+        self._peak_kv_tokens = 0
+        self._released: set[str] = set()  # "weights" / "kv_cache" while memory is released
+        self._weights_stash = None  # where released weights live (temp dir on CPU, host copies on GPU)
+        self._groups: dict = {}  # name -> (process group, rank, world_size, backend)
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,6 +213,28 @@ class NativeEngine:
             self._waiting.append(req)
             self._cv.notify_all()
 
+    def final_length(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most KV tokens a request can ever occupy (prompt + max_new_tokens, capped by the context)."""
+        return min(prompt_len + max(params.max_new_tokens, 1), self.max_context_length)
+
+    def check_fits(self, input_ids: list[int], params: SamplingParams, name: str = "input_ids",
+                   max_new_name: str = "sampling_params.max_new_tokens") -> None:
+        """Raise ProtocolError when a request could never fit the KV budget (--max-total-tokens)."""
+        if len(input_ids) + 1 > self.max_total_tokens:
+            raise ProtocolError(
+                name,
+                f"the prompt has {len(input_ids)} tokens, more than the KV cache budget allows "
+                f"(--max-total-tokens {self.max_total_tokens})",
+            )
+        need = self.final_length(len(input_ids), params)
+        if need > self.max_total_tokens:
+            raise ProtocolError(
+                max_new_name,
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} tokens "
+                f"exceeds the KV cache budget (--max-total-tokens {self.max_total_tokens}); lower it to at most "
+                f"{self.max_total_tokens - len(input_ids)}",
+            )
+
     def generate(
         self,
         input_ids: list[int],
@@ -211,6 +247,7 @@ class NativeEngine:
 
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else parse_sampling_params(sampling_params)
         check_prompt(list(input_ids), self.vocab_size, self.max_context_length)
+        self.check_fits(list(input_ids), sp)
         done = threading.Event()
         box: list = []
 
@@ -278,6 +315,12 @@ class NativeEngine:
                 "decode_steps": self._stats["decode_steps"],
                 "weight_version": self.weight_version,
                 "paused": self._paused,
+                "max_total_tokens": self.max_total_tokens,
+                "kv_tokens": self._kv_tokens,
+                "peak_kv_tokens": self._peak_kv_tokens,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "memory_released": sorted(self._released),
+                "weight_updates": self._stats["weight_updates"],
             }
 
     # ------------------------------------------------------------------ weights
@@ -316,8 +359,10 @@ class NativeEngine:
     def update_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> str:
         """Copy tensors (by Hugging Face parameter name) into the model in place, between
         scheduler steps. All names/shapes are checked before anything is copied."""
+        self._check_weights_resident()
         pairs = self._check_tensors(tensors)
         with self._exclusive():
+            self._check_weights_resident()
             with torch.no_grad():
                 for p, t in pairs:
                     p.copy_(t.to(device=p.device, dtype=p.dtype))
@@ -330,6 +375,7 @@ class NativeEngine:
         """{parameter name: sha256 of its bytes} for every parameter (tied ones once), between steps."""
         from slime.utils.weights import tensor_digest
 
+        self._check_weights_resident()
         with self._exclusive():
             return {name: tensor_digest(p) for name, p in self.model.named_parameters()}
 
@@ -346,6 +392,7 @@ class NativeEngine:
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             tensors.update(load_file(str(f)))
+        self._check_weights_resident()
         pairs = self._check_tensors(tensors, skip_unknown_suffixes=("rotary_emb.inv_freq",))
         with self._exclusive():
             with torch.no_grad():
@@ -356,6 +403,135 @@ class NativeEngine:
             self.model_path = str(model_path)
             self._stats["weight_updates"] += 1
         return self.weight_version
+
+    def _check_weights_resident(self) -> None:
+        if "weights" in self._released:
+            raise ProtocolError("weights", "the weights are released; call /resume_memory_occupation first")
+
+    # ---- weights from a process group (SGLang's /init_weights_update_group protocol)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo",
+                                  timeout_s: float = 600.0) -> None:
+        """Join a weight-broadcast group as rank `rank_offset` (the trainer is rank 0).
+
+        Blocks until every rank has joined (the trainer joins concurrently). The group is
+        private to the trainer and the engines: a TCPStore at master_address:master_port and
+        a process group object built from it, without torch.distributed's default group."""
+        from slime.engines.native.weight_group import new_group
+
+        if group_name in self._groups:
+            raise ProtocolError("group_name", f"a weight update group named {group_name!r} already exists")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ProtocolError("backend", "nccl needs a CUDA device; use gloo on CPU")
+        pg, store = new_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+                       device=self.device)
+        self._groups[group_name] = (pg, rank_offset, world_size, backend, store)
+
+    def destroy_weights_update_group(self, group_name: str) -> bool:
+        return self._groups.pop(group_name, None) is not None
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: str | None = None) -> str:
+        """Receive one broadcast per name from rank 0 of `group_name`, then copy them in place.
+
+        Every tensor is received even when a name or shape does not match the model, so the
+        trainer's broadcasts always complete; the mismatch is reported afterwards (ProtocolError)
+        and nothing is copied."""
+        entry = self._groups.get(group_name)
+        if entry is None:
+            raise ProtocolError("group_name", f"no weight update group named {group_name!r}; "
+                                              "call /init_weights_update_group first")
+        pg, _, _, backend, _ = entry
+        dev = self.device if backend == "nccl" else torch.device("cpu")
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(tuple(shape), dtype=dtype, device=dev)
+            pg.broadcast(t, 0).wait()
+            received[name] = t
+        self._check_weights_resident()
+        pairs = self._check_tensors(received)
+        with self._exclusive():
+            self._check_weights_resident()
+            with torch.no_grad():
+                for p, t in pairs:
+                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            self._stats["weight_updates"] += 1
+        return self.weight_version
+
+    # ---- colocated training: give memory back while the trainer runs
+    def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        """Free the KV cache and/or move the weights off the device ("kv_cache", "weights";
+        default both). Generation stops until `resume_memory_occupation`: requests queue.
+        On CPU the weights are written to a private temp dir and their RAM is freed; on GPU
+        they move to host memory. Refused (ProtocolError) while requests are running."""
+        tags = ["kv_cache", "weights"] if not tags else list(tags)
+        with self._cv:
+            self._released.update(tags)  # the scheduler admits nothing from here on
+        with self._exclusive():
+            with self._cv:
+                busy = len(self._running)
+            if busy:
+                with self._cv:
+                    self._released.difference_update(tags)
+                    self._cv.notify_all()
+                raise ProtocolError("tags", f"{busy} requests are running; abort them or let them finish before "
+                                            "releasing memory")
+            self._cache = self._mask = self._last_tokens = None
+            self._kv_tokens = 0
+            if "weights" in tags and self._weights_stash is None:
+                self._weights_stash = self._stash_weights()
+        _trim_heap()
+        return sorted(self._released)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        tags = ["kv_cache", "weights"] if not tags else list(tags)
+        with self._exclusive():
+            if "weights" in tags and self._weights_stash is not None:
+                self._restore_weights(self._weights_stash)
+                self._weights_stash = None
+            with self._cv:
+                self._released.difference_update(tags)
+                self._cv.notify_all()
+        return sorted(self._released)
+
+    def _stash_weights(self):
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        params = dict(self.model.named_parameters())  # tied weights once
+        if self.device.type == "cuda":
+            stash = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+            for p in params.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            torch.cuda.empty_cache()
+            return ("host", stash)
+        tmp = tempfile.mkdtemp(prefix="slime-native-released-")
+        path = os.path.join(tmp, "weights.safetensors")
+        save_file({n: p.detach().contiguous() for n, p in params.items()}, path)
+        for p in params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return ("disk", path)
+
+    def _restore_weights(self, stash) -> None:
+        kind, data = stash
+        params = dict(self.model.named_parameters())
+        if kind == "host":
+            for n, p in params.items():
+                p.data = data[n].to(self.device)
+            return
+        from safetensors import safe_open
+
+        with safe_open(data, framework="pt") as f:
+            for n, p in params.items():
+                t = f.get_tensor(n)
+                p.data = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t)
+        import shutil
+
+        shutil.rmtree(os.path.dirname(data), ignore_errors=True)
 
     # ------------------------------------------------------------------ worker
     def _collect_eos_ids(self) -> set[int]:
@@ -378,7 +554,7 @@ class NativeEngine:
         return ids
 
     def _has_work(self) -> bool:
-        if self._paused:
+        if self._paused or self._released:
             return self._abort_pending
         return bool(self._waiting) or bool(self._running) or self._abort_pending
 
@@ -403,6 +579,7 @@ class NativeEngine:
             self._running = []
             self._admitting = []
         self._cache = self._mask = self._last_tokens = None
+        self._kv_tokens = 0
         for r in rows:
             if not r.done:
                 r.done = True
@@ -414,7 +591,7 @@ class NativeEngine:
     def _step(self) -> None:
         with self._cv:
             self._abort_pending = False
-            paused = self._paused
+            paused = self._paused or bool(self._released)
         # 1. aborted rows leave the batch
         if any(r.aborted for r in self._running):
             for r in self._running:
@@ -427,10 +604,15 @@ class NativeEngine:
         admitted = []
         with self._cv:
             budget = self.max_prefill_tokens
+            rows = self._kv_rows()
             while self._waiting and len(self._running) + len(admitted) < self.max_running_requests:
                 nxt = self._waiting[0]
                 if admitted and len(nxt.input_ids) > budget:
                     break
+                row = (len(nxt.input_ids) + 1, self.final_length(len(nxt.input_ids), nxt.params))
+                if peak_kv_tokens(rows + [row]) > self.max_total_tokens:
+                    break  # waits until running rows finish and free KV
+                rows.append(row)
                 budget -= len(nxt.input_ids)
                 admitted.append(self._waiting.popleft())
             self._admitting = admitted
@@ -441,6 +623,19 @@ class NativeEngine:
         if self._running:
             self._decode()
             self._retire()
+
+    def _kv_rows(self) -> list[tuple[int, int]]:
+        """(length after the next decode step, final length) of every running row."""
+        return [
+            (len(r.input_ids) + len(r.output_ids), self.final_length(len(r.input_ids), r.params))
+            for r in self._running
+        ]
+
+    def _note_kv(self) -> None:
+        n = 0 if self._mask is None else int(self._mask.shape[0] * self._mask.shape[1])
+        self._kv_tokens = n
+        if n > self._peak_kv_tokens:
+            self._peak_kv_tokens = n
 
     # ---- batch tensor plumbing
     def _prefill(self, reqs: list[_Req]) -> None:
@@ -503,6 +698,7 @@ class NativeEngine:
             self._running.extend(reqs)
             self._admitting = []
             self._max_batch = max(self._max_batch, len(self._running))
+        self._note_kv()
         self._append_tokens(reqs, tokens)
 
     def _decode(self) -> None:
@@ -518,6 +714,7 @@ class NativeEngine:
             use_cache=True,
         )
         self._mask = mask
+        self._note_kv()
         logits = out.logits[:, -1, :].float()
         tokens = self._sample(logits, self._running)
         self._last_tokens = tokens
@@ -536,6 +733,7 @@ class NativeEngine:
             self._running = [rows[i] for i in keep]
         if not keep:
             self._cache = self._mask = self._last_tokens = None
+            self._kv_tokens = 0
         else:
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             mask = self._mask.index_select(0, index)
@@ -546,6 +744,7 @@ class NativeEngine:
                 layer.values = layer.values.index_select(0, index)[:, :, start:]
             self._mask = mask
             self._last_tokens = self._last_tokens.index_select(0, index)
+        self._note_kv()
         for r in finished:
             self._finish(r, r.finish)
 
@@ -624,6 +823,59 @@ class NativeEngine:
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
+
+
+def peak_kv_tokens(rows: list[tuple[int, int]]) -> int:
+    """The largest `rows x padded length` a left-padded batch reaches if no row stops early.
+
+    rows: (current length, final length) per row. All rows grow by one token per step and
+    leave at their final length; the padded length is the longest running row. The peak is
+    reached just before some row leaves, so it is checked at each row's last step.
+    """
+    if not rows:
+        return 0
+    order = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
+    best = count = longest = 0
+    for cur, final in order:
+        count += 1
+        longest = max(longest, cur)
+        best = max(best, count * (longest + max(final - cur, 0)))
+    return best
+
+
+def _kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+    return 2 * layers * kv_heads * int(head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def default_max_total_tokens(bytes_per_token: int, cap: int, device: torch.device) -> int:
+    """SGLang-style default: the KV tokens that fit in 30% of the free memory (at most `cap`)."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001
+        free = 4 << 30
+    return int(max(2048, min(cap, int(0.3 * free) // max(1, bytes_per_token))))
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise)."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_num_threads() -> int:

@@ -13,6 +13,7 @@ import time
 from aiohttp import web
 
 from slime.engines.native.engine import GenerationResult, NativeEngine
+from slime.engines.native.openai_api import add_openai_routes
 from slime.engines.protocol import (
     ProtocolError,
     build_generate_response,
@@ -20,9 +21,13 @@ from slime.engines.protocol import (
     error_body,
     parse_abort_request,
     parse_bool_param,
+    parse_destroy_weights_update_group,
     parse_generate_request,
+    parse_init_weights_update_group,
     parse_json_body,
+    parse_memory_tags,
     parse_update_weights_from_disk,
+    parse_update_weights_from_distributed,
     parse_weight_version,
 )
 
@@ -104,6 +109,8 @@ async def generate(request: web.Request) -> web.Response:
         if inp.text is not None:
             inp.input_ids = engine.tokenizer.encode(inp.text)
         check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
+        sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
+        engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
     futs = [_submit(engine, inp) for inp in inputs]
     try:
         results = await asyncio.gather(*futs)
@@ -116,7 +123,7 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "weight_version": request.app[ENGINE_KEY].weight_version})
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -165,6 +172,7 @@ async def get_server_info(request: web.Request) -> web.Response:
             "device": str(engine.device),
             "max_context_length": engine.max_context_length,
             "max_prefill_tokens": engine.max_prefill_tokens,
+            "weight_update_groups": sorted(engine._groups),
             "random_seed": engine.random_seed,
         }
     )
@@ -184,23 +192,25 @@ async def weights_checksum(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     request.app[ENGINE_KEY].flush_cache()
-    return web.json_response({"success": True, "message": "Cache flushed."})
+    return web.json_response({"success": True, "message": "Cache flushed.",
+                              "weight_version": request.app[ENGINE_KEY].weight_version})
 
 
 async def abort_request(request: web.Request) -> web.Response:
     rid, abort_all = parse_abort_request(await _json_body(request))
     n = request.app[ENGINE_KEY].abort(rid=rid, abort_all=abort_all)
-    return web.json_response({"success": True, "num_aborted": n})
+    return web.json_response({"success": True, "num_aborted": n,
+                              "weight_version": request.app[ENGINE_KEY].weight_version})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE_KEY].pause)
-    return web.json_response({"success": True})
+    return web.json_response({"success": True, "weight_version": request.app[ENGINE_KEY].weight_version})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     request.app[ENGINE_KEY].resume()
-    return web.json_response({"success": True})
+    return web.json_response({"success": True, "weight_version": request.app[ENGINE_KEY].weight_version})
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -241,6 +251,68 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "weight_version": v, "message": "Succeeded to update model weights."})
 
 
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    kw = parse_init_weights_update_group(await _json_body(request))
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, lambda: engine.init_weights_update_group(**kw))
+    except ProtocolError:
+        raise
+    except Exception as e:  # noqa: BLE001 - rendezvous failed (timeout, unreachable master): report, keep serving
+        logger.exception("init_weights_update_group failed")
+        return web.json_response({"success": False, "message": f"failed to join group {kw['group_name']!r}: "
+                                  f"{type(e).__name__}: {e}", "weight_version": engine.weight_version}, status=400)
+    return web.json_response({"success": True, "message": f"joined weight update group {kw['group_name']!r} as "
+                              f"rank {kw['rank_offset']} of {kw['world_size']}",
+                              "weight_version": engine.weight_version})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    import torch
+
+    engine = request.app[ENGINE_KEY]
+    kw = parse_update_weights_from_distributed(await _json_body(request))
+    if kw["group_name"] not in engine._groups:
+        raise ProtocolError("group_name", f"no weight update group named {kw['group_name']!r}; "
+                                          "call /init_weights_update_group first")
+    if kw["abort_all_requests"]:
+        engine.abort(abort_all=True)
+    dtypes = [getattr(torch, d) for d in kw["dtypes"]]
+
+    def _recv():
+        v = engine.update_weights_from_distributed(kw["names"], dtypes, kw["shapes"], kw["group_name"],
+                                                   kw["weight_version"])
+        if kw["flush_cache"]:
+            engine.flush_cache()
+        return v
+
+    v = await asyncio.get_running_loop().run_in_executor(None, _recv)
+    return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
+                              "weight_version": v, "num_tensors": len(kw["names"])})
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    name = parse_destroy_weights_update_group(await _json_body(request, allow_empty=True))
+    if not engine.destroy_weights_update_group(name):
+        raise ProtocolError("group_name", f"no weight update group named {name!r}")
+    return web.json_response({"success": True, "message": f"destroyed {name!r}", "weight_version": engine.weight_version})
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    tags = parse_memory_tags(await _json_body(request, allow_empty=True))
+    released = await asyncio.get_running_loop().run_in_executor(None, engine.release_memory_occupation, tags)
+    return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    tags = parse_memory_tags(await _json_body(request, allow_empty=True))
+    released = await asyncio.get_running_loop().run_in_executor(None, engine.resume_memory_occupation, tags)
+    return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
+
+
 def create_app(engine: NativeEngine, shutdown_engine: bool = True) -> web.Application:
     """An aiohttp application serving `engine` (started here if it is not running)."""
     app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
@@ -258,6 +330,12 @@ def create_app(engine: NativeEngine, shutdown_engine: bool = True) -> web.Applic
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+    add_openai_routes(app)
     engine.start()
 
     if shutdown_engine:

@@ -1,0 +1,304 @@
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models` (non-streaming).
+
+Requests map onto the engine's sampling parameters (`max_tokens`, `temperature`, `top_p`,
+`n`, `stop`, `seed`, plus vLLM/SGLang extensions `top_k`, `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `min_tokens` = 0). The `n` samples of a prompt are admitted
+together, so the prompt is prefilled once.
+
+For training, every response carries (vLLM's `return_token_ids` layout, always on):
+- completions: `choices[i].prompt_token_ids`, `choices[i].token_ids`
+- chat: top-level `prompt_token_ids`, `choices[i].token_ids`
+- `weight_version` at the top level,
+and per-token log-probs in the OpenAI format when asked for (`logprobs: N` for completions,
+`logprobs: true` for chat): the log-prob of each sampled token under
+`log_softmax(logits / T)`, the same definition as `/generate`. Top alternatives are not
+computed (`top_logprobs` must be 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from slime.engines.protocol import (
+    GenerateInput,
+    ProtocolError,
+    SamplingParams,
+    _is_int,
+    check_prompt,
+    parse_sampling_params,
+)
+
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "best_of", "top_k", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "min_tokens", "return_token_ids", "rid", "spaces_between_special_tokens",
+    "repetition_penalty", "stream_options",
+}
+_COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
+_CHAT_KEYS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                        "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                        "parallel_tool_calls"}
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1, "min_tokens": 0,
+            "echo": False, "suffix": None, "repetition_penalty": 1.0, "stream": False, "stream_options": None,
+            "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+MAX_N = 128
+
+
+def _check_keys(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError("body", f"must be a JSON object, got {type(body).__name__}")
+    for key, value in body.items():
+        if key not in allowed:
+            raise ProtocolError(str(key), "unknown field")
+        if key in _NEUTRAL and value is not None and value != _NEUTRAL[key] and not (
+            key in ("tools", "tool_choice") and value in ([], "none")
+        ):
+            if key == "stream":
+                raise ProtocolError("stream", "streaming is not supported by the native engine; use stream: false")
+            raise ProtocolError(key, f"is not supported by this engine (only {_NEUTRAL[key]!r} is accepted)")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise ProtocolError("response_format", "only {'type': 'text'} is supported")
+    return body
+
+
+def _sampling(body: dict, max_tokens_key: str, default_max: int | None) -> tuple[SamplingParams, int]:
+    raw: dict[str, Any] = {}
+    for k in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed"):
+        if body.get(k) is not None:
+            raw[k] = body[k]
+    mt = body.get(max_tokens_key)
+    if mt is None and max_tokens_key != "max_tokens":
+        mt, max_tokens_key = body.get("max_tokens"), "max_tokens"
+    if mt is not None:
+        if not _is_int(mt) or mt < 0:
+            raise ProtocolError(max_tokens_key, f"must be an integer >= 0, got {mt!r}")
+        raw["max_new_tokens"] = mt
+    sp = parse_sampling_params(raw, prefix="")
+    if mt is None:
+        sp.max_new_tokens = -1 if default_max is None else default_max  # -1: fill the context (set per prompt)
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not _is_int(n) or not (1 <= n <= MAX_N):
+        raise ProtocolError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
+    for k in ("return_token_ids", "echo"):
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise ProtocolError(k, f"must be a boolean, got {v!r}")
+    return sp, n
+
+
+def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
+    """OpenAI `prompt`: a string, a list of strings, a list of token ids or a list of lists."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise ProtocolError("prompt", "must be a non-empty string, list of strings, or list of token ids")
+    out = []
+    for i, p in enumerate(items):
+        name = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise ProtocolError(name, "must not be empty")
+            out.append((name, tokenizer.encode(p)))
+        elif isinstance(p, list) and p and all(_is_int(x) and x >= 0 for x in p):
+            out.append((name, list(p)))
+        else:
+            raise ProtocolError(name, "must be a non-empty string or a non-empty list of non-negative token ids")
+    return out
+
+
+def _messages_to_ids(body: dict, tokenizer) -> list[int]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ProtocolError("messages", "must be a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ProtocolError(f"messages[{i}]", "must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ProtocolError(f"messages[{i}].role", "must be a non-empty string")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ProtocolError(f"messages[{i}].content[{j}]", "only text parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ProtocolError(f"messages[{i}].content", "must be a string or a list of text parts")
+        clean.append({**{k: v for k, v in m.items() if k not in ("content",)}, "content": content})
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ProtocolError("chat_template_kwargs", "must be an object")
+    cont = bool(body.get("continue_final_message", False))
+    agp = body.get("add_generation_prompt", not cont)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ProtocolError("messages", "the model's tokenizer has no chat template; use /v1/completions")
+    try:
+        ids = tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=bool(agp),
+                                            continue_final_message=cont, return_dict=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+        raise ProtocolError("messages", f"chat template failed: {type(e).__name__}: {e}") from None
+    if isinstance(ids, dict):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return list(ids)
+
+
+def _finish_reason(fr: dict) -> str:
+    t = fr.get("type")
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(t, t)
+
+
+async def _run(request: web.Request, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n: int,
+               max_tokens_key: str):
+    """Validate and run n samples of every prompt; results grouped [prompt][sample]."""
+    from slime.engines.native.server import ENGINE_KEY, _submit
+
+    engine = request.app[ENGINE_KEY]
+    inputs = []
+    for name, ids in prompts:
+        check_prompt(ids, engine.vocab_size, engine.max_context_length, name=name)
+        psp = sp
+        if sp.max_new_tokens < 0:  # no max_tokens: as much as the context and the KV budget allow
+            psp = SamplingParams(**{**sp.__dict__, "max_new_tokens": max(
+                1, min(engine.max_context_length, engine.max_total_tokens) - len(ids))})
+        engine.check_fits(ids, psp, name=name, max_new_name=max_tokens_key)
+        for i in range(n):
+            s = psp
+            if n > 1 and psp.seed is not None:
+                s = SamplingParams(**{**psp.__dict__, "seed": psp.seed + i})
+            inputs.append(GenerateInput(rid=uuid.uuid4().hex, sampling_params=s, input_ids=ids, return_logprob=True))
+    futs = [_submit(engine, inp) for inp in inputs]
+    try:
+        results = await asyncio.gather(*futs)
+    except asyncio.CancelledError:
+        for inp in inputs:
+            engine.abort(inp.rid)
+        raise
+    grouped = [results[k * n:(k + 1) * n] for k in range(len(prompts))]
+    return engine, grouped
+
+
+def _usage(prompts, grouped) -> dict:
+    pt = sum(len(ids) for _, ids in prompts)
+    ct = sum(len(r.output_ids) for g in grouped for r in g)
+    return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+
+
+def _model_name(request: web.Request, body: dict) -> str:
+    from slime.engines.native.server import ENGINE_KEY
+
+    m = body.get("model")
+    if m is not None and not isinstance(m, str):
+        raise ProtocolError("model", "must be a string")
+    return m or request.app[ENGINE_KEY].model_path
+
+
+async def completions(request: web.Request) -> web.Response:
+    from slime.engines.native.server import ENGINE_KEY, _json_body
+
+    engine = request.app[ENGINE_KEY]
+    body = _check_keys(await _json_body(request), _COMPLETION_KEYS)
+    if "prompt" not in body:
+        raise ProtocolError("prompt", "is required")
+    sp, n = _sampling(body, "max_tokens", 16)
+    lp = body.get("logprobs")
+    if lp is not None and (not _is_int(lp) or not (0 <= lp <= 1)):
+        raise ProtocolError("logprobs", f"must be 0 or 1 (the sampled token's log-prob; top alternatives are not "
+                                        f"computed), got {lp!r}")
+    model = _model_name(request, body)
+    prompts = _prompt_list(body["prompt"], engine.tokenizer)
+    engine, grouped = await _run(request, prompts, sp, n, "max_tokens")
+    choices = []
+    for (_, ids), group in zip(prompts, grouped):
+        for r in group:
+            c: dict[str, Any] = {"index": len(choices), "text": r.text, "finish_reason": _finish_reason(r.finish_reason),
+                                 "matched_stop": r.finish_reason.get("matched"), "logprobs": None,
+                                 "prompt_token_ids": list(ids), "token_ids": list(r.output_ids)}
+            if lp is not None:
+                toks = engine.token_texts(r.output_ids)
+                offsets, pos = [], len(engine.tokenizer.decode(ids))
+                for t in toks:
+                    offsets.append(pos)
+                    pos += len(t)
+                c["logprobs"] = {"tokens": toks, "token_logprobs": [float(x) for x in r.output_token_logprobs],
+                                 "top_logprobs": None, "text_offset": offsets}
+            choices.append(c)
+    return web.json_response({
+        "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": choices, "usage": _usage(prompts, grouped), "weight_version": grouped[0][0].weight_version,
+    })
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    from slime.engines.native.server import ENGINE_KEY, _json_body
+
+    engine = request.app[ENGINE_KEY]
+    body = _check_keys(await _json_body(request), _CHAT_KEYS)
+    sp, n = _sampling(body, "max_completion_tokens", None)
+    lp = body.get("logprobs", False)
+    if lp is None:
+        lp = False
+    if not isinstance(lp, bool):
+        raise ProtocolError("logprobs", f"must be a boolean, got {lp!r}")
+    tl = body.get("top_logprobs")
+    if tl not in (None, 0):
+        raise ProtocolError("top_logprobs", "only 0 is supported (top alternatives are not computed)")
+    model = _model_name(request, body)
+    ids = _messages_to_ids(body, engine.tokenizer)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    prompts = [("messages", ids)]
+    engine, grouped = await _run(request, prompts, sp, n, key)
+    choices = []
+    for r in grouped[0]:
+        c: dict[str, Any] = {
+            "index": len(choices), "message": {"role": "assistant", "content": r.text, "tool_calls": None},
+            "finish_reason": _finish_reason(r.finish_reason), "matched_stop": r.finish_reason.get("matched"),
+            "logprobs": None, "token_ids": list(r.output_ids),
+        }
+        if lp:
+            toks = engine.token_texts(r.output_ids)
+            c["logprobs"] = {"content": [
+                {"token": t, "logprob": float(x), "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                for t, x in zip(toks, r.output_token_logprobs)
+            ]}
+        choices.append(c)
+    return web.json_response({
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": choices, "usage": _usage(prompts, grouped), "prompt_token_ids": list(ids),
+        "weight_version": grouped[0][0].weight_version,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    from slime.engines.native.server import ENGINE_KEY
+
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": engine.model_path, "object": "model", "created": 0, "owned_by": "slime",
+        "root": engine.model_path, "max_model_len": engine.max_context_length,
+    }]})
+
+
+def add_openai_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
