@@ -38,11 +38,17 @@ def main() -> None:
     actor.init()
     start_rollout_id = checkpoint.load(args, actor, rollout)
     logger = MetricsLogger.from_args(args, start_rollout_id)
-    print(f"slime: {args.num_engines} engine(s) at {', '.join(engine_urls)}; "
+    print(f"slime: {len(engine_urls)} engine(s) at {', '.join(engine_urls) or '-'}; "
           f"{args.dp_size} train rank(s); metrics in {logger.path}")
 
-    # The engines serve the trainer's weights from the start (policy version = rollouts trained).
-    actor.update_weights(engine_urls, weight_version=start_rollout_id)
+    def push_weights(version: int) -> None:
+        """The engines serve the trainer's weights (policy version = rollouts trained). SFT
+        (--loss-type sft_loss) trains on the chat data itself: it starts no engines, so there is
+        nothing to push (and nothing to evaluate)."""
+        if args.loss_type != "sft_loss":
+            actor.update_weights(engine_urls, weight_version=version)
+
+    push_weights(start_rollout_id)
 
     def evaluate(trained_rollouts: int) -> None:
         if not args.eval_sets:
@@ -69,7 +75,7 @@ def main() -> None:
             record["perf/train_time"] = time.perf_counter() - train_start
 
             sync_start = time.perf_counter()
-            actor.update_weights(engine_urls, weight_version=rollout_id + 1)
+            push_weights(rollout_id + 1)
             record["perf/update_weights_time"] = time.perf_counter() - sync_start
             record["perf/step_time"] = time.perf_counter() - step_start
 

@@ -22,7 +22,9 @@ from slime.utils.errors import SlimeConfigError
 
 SGLANG_PREFIX = "--sglang-"
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo")
+LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
+TIS_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
 POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
@@ -107,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
     g.add_argument("--rm-type", choices=RM_TYPES, default="math",
                    help="math: math-verify equivalence of the final answer; exact: stripped string equality")
+    g.add_argument("--reward-key", default=None,
+                   help="the entry of a dict reward that is the scalar reward (each entry is logged as "
+                        "rollout/reward/<key>)")
     g.add_argument("--rollout-request-timeout", type=float, default=600.0,
                    help="seconds one /generate call may take before it is an error")
     g.add_argument("--engine-startup-timeout", type=float, default=300.0)
@@ -149,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the raw rewards (no group normalization)")
     g.add_argument("--loss-agg-mode", choices=LOSS_AGG_MODES, default="token-mean",
                    help="how per-token losses of a step are averaged (docs/algorithms.md)")
+    g.add_argument("--loss-type", choices=LOSS_TYPES, default=None,
+                   help="policy_loss: the estimator's RL loss; sft_loss: negative log-likelihood of the loss-mask "
+                        "tokens of chat data in --prompt-data (no engines); custom_loss: "
+                        "--custom-loss-function-path (default: custom_loss when that path is given, else policy_loss)")
     g.add_argument("--custom-loss-function-path", default=None,
                    help="dotted path of a per-token policy loss replacing the estimator's (docs/algorithms.md)")
     g.add_argument("--custom-advantage-function-path", default=None,
@@ -168,6 +177,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DAPO soft overlong punishment: length of the penalty ramp before --rollout-max-response-len")
     g.add_argument("--overlong-penalty-factor", type=float, default=1.0,
                    help="reward penalty at --rollout-max-response-len (with --overlong-buffer-len)")
+    g.add_argument("--mask-truncated-samples", action="store_true",
+                   help="DAPO overlong filtering: samples cut off at --rollout-max-response-len train on nothing "
+                        "(loss mask 0); counted in rollout/overlong_filtered")
+    g.add_argument("--use-unbiased-kl", action="store_true",
+                   help="weight the KL loss by the importance ratio exp(logp - logp_old) (unbiased under "
+                        "off-policy samples; needs --use-kl-loss)")
+    g.add_argument("--use-rollout-logprobs", action="store_true",
+                   help="use the engine's log-probs as the old log-probs of the PPO ratio (no old-log-prob pass)")
+    g.add_argument("--use-tis", action="store_true",
+                   help="truncated importance sampling: weight the policy loss by clip(pi_train_old / pi_rollout, "
+                        "--tis-clip-low, --tis-clip) to correct the engine/trainer mismatch")
+    g.add_argument("--tis-clip", type=float, default=2.0, help="upper clip of the TIS weight")
+    g.add_argument("--tis-clip-low", type=float, default=0.0, help="lower clip of the TIS weight")
+    g.add_argument("--tis-level", choices=TIS_LEVELS, default="token",
+                   help="token: one weight per token; sequence: the product of a sequence's token ratios; "
+                        "geometric: their geometric mean (one weight per sequence)")
+    g.add_argument("--custom-tis-function-path", default=None,
+                   help="dotted path of a TIS function replacing the built-in one "
+                        "(docs/algorithms.md; needs --use-tis)")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-prompt-data", nargs="+", default=None,
@@ -297,7 +325,7 @@ def validate(args: Args) -> Args:
     _require(args.n_samples_per_prompt >= 1, f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
     _require(args.rollout_temperature >= 0, f"--rollout-temperature must be >= 0, got {args.rollout_temperature}")
     _require(0 < args.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-    _require(args.rollout_top_k == -1 or args.rollout_top_k >= 1, f"--rollout-top-k must be -1 or >= 1")
+    _require(args.rollout_top_k == -1 or args.rollout_top_k >= 1, f"--rollout-top-k must be -1 or >= 1, got {args.rollout_top_k}")
     _require(args.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
     _require(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1")
     for name in ("temperature", "top_p", "top_k", "max_response_len"):
@@ -379,17 +407,49 @@ def _validate_algorithm(args: Args) -> None:
         f"got {args.overlong_buffer_len}",
     )
     _require(args.overlong_penalty_factor >= 0, "--overlong-penalty-factor must be >= 0")
-    if args.kl_coef > 0 and args.advantage_estimator in ("grpo", "gspo", "cispo"):
+    if args.kl_coef > 0 and args.advantage_estimator in ("grpo", "gspo", "cispo", "rloo"):
         raise SlimeConfigError(
             f"--kl-coef (KL in the reward) has no effect with --advantage-estimator {args.advantage_estimator}; "
             "use --use-kl-loss --kl-loss-coef"
         )
+    _require(args.advantage_estimator != "rloo" or args.n_samples_per_prompt >= 2,
+             "--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (a leave-one-out baseline)")
+    _validate_loss_type(args)
+    _require(not args.use_unbiased_kl or args.use_kl_loss, "--use-unbiased-kl has no effect without --use-kl-loss")
+    _require(args.tis_clip > 0, f"--tis-clip must be > 0, got {args.tis_clip}")
+    _require(0 <= args.tis_clip_low < args.tis_clip,
+             f"--tis-clip-low must be in [0, --tis-clip {args.tis_clip}), got {args.tis_clip_low}")
+    _require(args.custom_tis_function_path is None or args.use_tis,
+             "--custom-tis-function-path has no effect without --use-tis")
     from slime.utils.hooks import load_function
 
-    for flag in ("custom_loss_function_path", "custom_advantage_function_path",
+    for flag in ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
                  "custom_reward_post_process_path", "dynamic_sampling_filter_path"):
         if getattr(args, flag):  # fail at start-up, naming the flag
             load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
+
+
+def _validate_loss_type(args: Args) -> None:
+    """`--loss-type` (original slime's names): custom_loss when only --custom-loss-function-path is given."""
+    if args.loss_type is None:
+        args.loss_type = "custom_loss" if args.custom_loss_function_path else "policy_loss"
+    _require(args.loss_type != "custom_loss" or args.custom_loss_function_path is not None,
+             "--loss-type custom_loss needs --custom-loss-function-path")
+    _require(args.loss_type == "custom_loss" or args.custom_loss_function_path is None,
+             f"--custom-loss-function-path is only used with --loss-type custom_loss, not {args.loss_type}")
+    if args.loss_type != "sft_loss":
+        return
+    # SFT trains on the chat data itself: no engines, samples, rewards or reference model
+    _require(args.n_samples_per_prompt == 1,
+             f"--loss-type sft_loss needs --n-samples-per-prompt 1, got {args.n_samples_per_prompt}")
+    _require(not args.eval_sets, "--eval-prompt-data needs rollout engines, which --loss-type sft_loss does not start")
+    for flag, on in (("--advantage-estimator ppo", args.use_critic), ("--use-kl-loss", args.use_kl_loss),
+                     ("--kl-coef", args.kl_coef > 0), ("--use-tis", args.use_tis),
+                     ("--use-rollout-logprobs", args.use_rollout_logprobs),
+                     ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
+                     ("--custom-reward-post-process-path", args.custom_reward_post_process_path)):
+        _require(not on, f"{flag} has no effect with --loss-type sft_loss")
+    args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

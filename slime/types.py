@@ -40,6 +40,8 @@ class Sample:
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
     reward: float | dict[str, float] | None = None
+    # a dict reward as the reward function returned it; `reward` is then its --reward-key entry
+    reward_dict: dict[str, Any] | None = None
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int | None = None
 

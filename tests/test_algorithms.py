@@ -396,3 +396,130 @@ def test_aggregation_weights_are_split_invariant(mode):
     else:
         expected = sum(float((l * m).sum()) / 5 for l, m in zip(losses, masks)) / 4
     assert value == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------- RLOO
+
+
+def test_rloo_leave_one_out_exact_values_and_zero_group_sums():
+    from slime.algorithms.advantages import leave_one_out, post_process_rewards
+
+    # groups by id, interleaved: id 5 -> [1, 0, 0], id 2 -> [2, 4, 6], id 9 -> [7] (alone)
+    rewards = torch.tensor([1.0, 2.0, 0.0, 4.0, 7.0, 0.0, 6.0])
+    ids = [5, 2, 5, 2, 9, 5, 2]
+    # r_i - mean of the others: 1 - 0 = 1; 0 - 1/2 = -0.5 (twice); 2 - 5 = -3; 4 - 4 = 0; 6 - 3 = 3; alone: 0
+    expected = torch.tensor([1.0, -3.0, -0.5, 0.0, 0.0, -0.5, 3.0])
+    out = leave_one_out(rewards, ids)
+    torch.testing.assert_close(out, expected)
+    for g in set(ids):
+        assert float(sum(out[i] for i, x in enumerate(ids) if x == g)) == pytest.approx(0.0, abs=1e-6)
+    # equals n/(n-1) * (r - group mean)
+    torch.testing.assert_close(out[[1, 3, 6]], 1.5 * (rewards[[1, 3, 6]] - 4.0))
+    torch.testing.assert_close(post_process_rewards(rewards, ids, "rloo"), expected)
+    torch.testing.assert_close(post_process_rewards(rewards, ids, "rloo", rewards_normalization=False), rewards)
+    adv = ADVANTAGE_ESTIMATORS["rloo"](expected[:2], [3, 1])
+    torch.testing.assert_close(adv[0], torch.full((3,), 1.0))
+    torch.testing.assert_close(adv[1], torch.full((1,), -3.0))
+
+
+# ---------------------------------------------------------------- truncated importance sampling
+
+
+def test_tis_weights_token_sequence_geometric_exact():
+    from slime.algorithms.losses import tis_weights
+
+    train = torch.tensor([-1.0, -2.0, -0.5])
+    rollout = torch.tensor([-1.5, -1.0, -0.5])  # log-ratios 0.5, -1, 0
+    w, ratio = tis_weights(train, rollout, clip=1.5, clip_low=0.5)
+    torch.testing.assert_close(ratio, torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0]))
+    torch.testing.assert_close(w, torch.tensor([1.5, 0.5, 1.0]))
+    w, _ = tis_weights(train, rollout, clip=2.0)  # default lower clip 0: only the upper one bites
+    torch.testing.assert_close(w, torch.tensor([math.exp(0.5), math.exp(-1.0), 1.0]))
+    # sequences [2, 1]: sequence = product of the token ratios, geometric = their geometric mean
+    w, ratio = tis_weights(train, rollout, 10.0, 0.0, "sequence", [2, 1])
+    torch.testing.assert_close(ratio, torch.tensor([math.exp(-0.5), math.exp(-0.5), 1.0]))
+    w, _ = tis_weights(train, rollout, 10.0, 0.0, "geometric", [2, 1])
+    torch.testing.assert_close(w, torch.tensor([math.exp(-0.25), math.exp(-0.25), 1.0]))
+    # masked tokens do not count: mask [1, 0, 1] leaves token 0's ratio for sequence 0
+    w, _ = tis_weights(train, rollout, 1.5, 0.0, "sequence", [2, 1], torch.tensor([1.0, 0.0, 1.0]))
+    torch.testing.assert_close(w, torch.tensor([1.5, 1.5, 1.0]))
+    # no gradient flows through the weights
+    t = train.clone().requires_grad_()
+    assert not tis_weights(t, rollout, 2.0)[0].requires_grad
+
+
+def test_vanilla_tis_weights_the_policy_loss_and_reports_metrics():
+    from types import SimpleNamespace
+
+    from slime.algorithms.losses import vanilla_tis
+
+    args = SimpleNamespace(tis_clip=1.5, tis_clip_low=0.5, tis_level="token")
+    pg = torch.tensor([2.0, -1.0, 3.0])
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    out, out_mask, m = vanilla_tis(args, pg_loss=pg, train_log_probs=torch.tensor([-1.0, -2.0, -0.5]),
+                                   rollout_log_probs=torch.tensor([-1.5, -1.0, -0.5]), loss_mask=mask,
+                                   response_lengths=[3])
+    torch.testing.assert_close(out, torch.tensor([3.0, -0.5, 3.0]))
+    assert out_mask is mask
+    torch.testing.assert_close(m["tis_clipfrac"], torch.tensor([1.0, 1.0, 0.0]))
+    torch.testing.assert_close(m["tis_weight"], torch.tensor([1.5, 0.5, 1.0]))
+    torch.testing.assert_close(m["tis_abs"], torch.tensor([math.exp(0.5) - 1, 1 - math.exp(-1.0), 0.0]))
+
+
+# ---------------------------------------------------------------- unbiased KL, SFT loss
+
+
+def test_unbiased_kl_is_importance_weighted_exact_values_and_gradient():
+    lp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    old = torch.tensor([-1.2, -2.0])
+    ratio = torch.exp(lp - old)  # [e^0.2, 1]
+    torch.testing.assert_close(kl_penalty(lp, ref, "k1", importance_ratio=ratio),
+                               torch.tensor([0.5 * math.exp(0.2), -1.0]))
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]  # exp(d) - d - 1, d = ref - lp
+    torch.testing.assert_close(kl_penalty(lp, ref, "low_var_kl", importance_ratio=ratio),
+                               torch.tensor([k3[0] * math.exp(0.2), k3[1]]))
+    torch.testing.assert_close(kl_penalty(lp, ref, "k2", importance_ratio=ratio),
+                               torch.tensor([0.125 * math.exp(0.2), 0.5]))
+    # on policy (old = lp, ratio 1) the value is the plain estimate, but the gradient gains kl * dlogp:
+    # d/dlp [exp(lp - sg(lp)) * (lp - ref)] = (lp - ref) + 1
+    x = lp.clone().requires_grad_()
+    kl = kl_penalty(x, ref, "k1", importance_ratio=torch.exp(x - x.detach()))
+    torch.testing.assert_close(kl.detach(), torch.tensor([0.5, -1.0]))
+    kl.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([1.5, 0.0]))
+    # the k3 clamp applies after weighting
+    big = kl_penalty(torch.tensor([0.0]), torch.tensor([3.0]), "k3", importance_ratio=torch.tensor([10.0]))
+    assert float(big) == 10.0
+
+
+def test_sft_loss_is_negative_log_likelihood():
+    from slime.algorithms.losses import sft_loss
+
+    torch.testing.assert_close(sft_loss(torch.tensor([-0.5, -2.0])), torch.tensor([0.5, 2.0]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "rloo", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("std", [True, False])
+def test_group_rewards_sum_to_zero_per_group(estimator, std):
+    from slime.algorithms.advantages import post_process_rewards
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(12, generator=g)
+    ids = [3, 1, 3, 2, 1, 2, 3, 1, 2, 3, 1, 2]  # 3 groups of 4, interleaved
+    out = post_process_rewards(rewards, ids, estimator, std_normalization=std)
+    for gid in set(ids):
+        assert float(sum(out[i] for i, x in enumerate(ids) if x == gid)) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_gspo_equals_token_level_ppo_when_a_sequence_shares_one_ratio():
+    from slime.algorithms.losses import gspo_policy_loss, ppo_policy_loss
+
+    old = torch.tensor([-1.0, -2.0, -0.3, -1.5, -0.7])
+    shift = torch.tensor([0.1, 0.1, 0.1, -0.4, -0.4])  # sequences [3, 2], one log-ratio each
+    lp = (old + shift).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0])
+    gl, gc = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[3, 2], loss_mask=torch.ones(5))
+    pl, pc = ppo_policy_loss(lp, old, adv, 0.2, 0.28)
+    torch.testing.assert_close(gl, pl)
+    assert gc.tolist() == pc.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]

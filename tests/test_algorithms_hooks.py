@@ -225,3 +225,77 @@ def test_algorithm_flags_derived_values_and_errors(tiny_model_dir, tmp_path):
         with pytest.raises(SlimeConfigError) as e:
             make_args(tiny_model_dir, tmp_path, *base, *extra)
         assert message in str(e.value)
+
+
+def test_overlong_filtering_masks_truncated_samples_and_counts_them(tiny_model_dir, tmp_path, monkeypatch):
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
+                 "--mask-truncated-samples")
+    samples, _, _ = m._sample_groups(0)
+    samples[1].status = samples[3].status = SampleStatus.TRUNCATED
+    batch = m._to_train_batch(samples)
+    assert [sum(x) for x in batch.loss_masks] == [1, 0, 2, 0, 3, 3]
+    # still rewarded (and normalized with its group); only its loss is dropped
+    assert batch.rewards[3] == pytest.approx(-0.7071, abs=1e-4)
+    m2 = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6)
+    assert [sum(x) for x in m2._to_train_batch(samples).loss_masks] == [1, 1, 2, 2, 3, 3]
+    monkeypatch.setattr("ray.put", lambda x: x)
+    monkeypatch.setattr(m, "_sample_groups", lambda rid: (samples, samples, {}))
+    _, metrics = m.generate(0)
+    assert metrics["rollout/overlong_filtered"] == 2.0
+
+
+def test_dict_rewards_need_reward_key_and_log_every_entry():
+    import asyncio
+
+    from slime.rollout.generate import score
+    from slime.rollout.manager import RolloutManager
+
+    def rm(response, label):
+        return {"acc": float(response == label), "format": 0.5}
+
+    def sample(response, label):
+        return Sample(response=response, label=label, index=0, status=SampleStatus.COMPLETED)
+
+    s = asyncio.run(score(rm, sample("1", "1"), "acc"))
+    assert s.reward == 1.0 and s.reward_dict == {"acc": 1.0, "format": 0.5} and s.status == SampleStatus.COMPLETED
+    with pytest.raises(SlimeConfigError, match=r"returned a dict \(keys \['acc', 'format'\]\); pass --reward-key"):
+        asyncio.run(score(rm, sample("1", "1")))
+    with pytest.raises(SlimeConfigError, match="--reward-key 'score': the reward function returned a dict without it"):
+        asyncio.run(score(rm, sample("1", "1"), "score"))
+    plain = asyncio.run(score(lambda r, l: 1, sample("1", "1"), "acc"))  # a float reward ignores the key
+    assert plain.reward == 1.0 and plain.reward_dict is None
+    samples = [asyncio.run(score(rm, sample(r, "1"), "acc")) for r in ("1", "2", "1", "0")]
+    for i, x in enumerate(samples):
+        x.group_index, x.response_length = i // 2, 1
+    metrics = RolloutManager._rollout_metrics(samples)
+    assert metrics["rollout/raw_reward"] == 0.5
+    assert metrics["rollout/reward/acc"] == 0.5 and metrics["rollout/reward/format"] == 0.5
+
+
+def test_loss_type_tis_and_kl_flags(tiny_model_dir, tmp_path, hook_module):
+    from test_fsdp_trainer import make_args
+
+    base = ["--rollout-batch-size", 2, "--n-samples-per-prompt", 2]
+    assert make_args(tiny_model_dir, tmp_path, *base).loss_type == "policy_loss"
+    custom = make_args(tiny_model_dir, tmp_path, *base, "--custom-loss-function-path", f"{hook_module}.double_ppo")
+    assert custom.loss_type == "custom_loss"
+    args = make_args(tiny_model_dir, tmp_path, *base, "--use-tis")
+    assert (args.tis_clip, args.tis_clip_low, args.tis_level) == (2.0, 0.0, "token")
+    assert make_args(tiny_model_dir, tmp_path, *base, "--advantage-estimator", "rloo").policy_loss_type == "ppo"
+    for extra, message in [
+        (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path"),
+        (["--loss-type", "policy_loss", "--custom-loss-function-path", f"{hook_module}.double_ppo"],
+         "--custom-loss-function-path is only used with --loss-type custom_loss, not policy_loss"),
+        (["--use-unbiased-kl"], "--use-unbiased-kl has no effect without --use-kl-loss"),
+        (["--use-tis", "--tis-clip-low", 3], "--tis-clip-low must be in [0, --tis-clip 2.0), got 3.0"),
+        (["--custom-tis-function-path", f"{hook_module}.double_ppo"],
+         "--custom-tis-function-path has no effect without --use-tis"),
+        (["--use-tis", "--custom-tis-function-path", f"{hook_module}.nope"],
+         "--custom-tis-function-path"),
+        (["--advantage-estimator", "rloo", "--n-samples-per-prompt", 1, "--global-batch-size", 2],
+         "--advantage-estimator rloo needs --n-samples-per-prompt >= 2"),
+        (["--advantage-estimator", "rloo", "--kl-coef", 0.1], "--kl-coef (KL in the reward) has no effect"),
+    ]:
+        with pytest.raises(SlimeConfigError) as e:
+            make_args(tiny_model_dir, tmp_path, *base, *extra)
+        assert message in str(e.value)

@@ -57,8 +57,28 @@ def group_normalize(
     return centered / (std[inverse] + eps)
 
 
+def leave_one_out(rewards: Tensor, group_ids: Tensor | Sequence[int]) -> Tensor:
+    """RLOO (arXiv 2402.14740): each reward minus the mean of the *other* rewards of its group.
+
+    rewards: Tensor[N]; group_ids: N ids (groups by id, never by position)
+    returns Tensor[N] float32: r_i - (sum_group - r_i) / (n_group - 1) = n/(n-1) * (r_i - mean_group);
+    0 for a group of one sample (no baseline, no signal).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    ids = torch.as_tensor(list(group_ids) if not isinstance(group_ids, Tensor) else group_ids).flatten()
+    if ids.numel() != r.numel():
+        raise ValueError(f"leave_one_out: {r.numel()} rewards but {ids.numel()} group ids")
+    if r.numel() == 0:
+        return r.clone()
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(counts.numel(), dtype=torch.float32).index_add_(0, inverse, r)
+    n = counts[inverse].to(torch.float32)
+    baseline = (sums[inverse] - r) / (n - 1).clamp(min=1.0)
+    return torch.where(n > 1, r - baseline, torch.zeros_like(r))
+
+
 def grpo(rewards: Tensor, response_lengths: Sequence[int], **_: object) -> list[Tensor]:
-    """GRPO (also GSPO and CISPO): each response token's advantage is its sample's reward.
+    """GRPO (also GSPO, CISPO and RLOO): each response token's advantage is its sample's reward.
 
     rewards:          Tensor[N] (group-normalized upstream)
     response_lengths: N ints
@@ -193,15 +213,18 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., list[Tensor]]] = {
     "cispo": grpo,
     "reinforce_plus_plus": reinforce_plus_plus,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
+    "rloo": grpo,
     "ppo": ppo,
 }
 
 # How `post_process_rewards` prepares each estimator's rewards (original slime's rule):
-# "mean_std": subtract the group mean, divide by the group std; "mean": subtract the mean only; None: raw.
+# "mean_std": subtract the group mean, divide by the group std; "mean": subtract the mean only;
+# "leave_one_out": subtract the mean of the group's other rewards (RLOO); None: raw.
 REWARD_NORMALIZATION: dict[str, str | None] = {
     "grpo": "mean_std",
     "gspo": "mean_std",
     "cispo": "mean_std",
+    "rloo": "leave_one_out",
     "reinforce_plus_plus_baseline": "mean",
     "reinforce_plus_plus": None,
     "ppo": None,
@@ -229,6 +252,8 @@ def post_process_rewards(
     mode = REWARD_NORMALIZATION.get(estimator, "mean_std")
     if not rewards_normalization or mode is None:
         return r.clone()
+    if mode == "leave_one_out":
+        return leave_one_out(r, group_ids)
     return group_normalize(r, group_ids, std_normalize=(mode == "mean_std" and std_normalization))
 
 

@@ -161,8 +161,8 @@ def _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c):
     return loss, clipfrac
 
 
-def sequence_mean(values: Tensor, response_lengths: list[int], loss_mask: Tensor) -> Tensor:
-    """Per-sequence masked mean, broadcast back to every token of the sequence.
+def sequence_mean(values: Tensor, response_lengths: list[int], loss_mask: Tensor, reduce: str = "mean") -> Tensor:
+    """Per-sequence masked mean (or sum, `reduce="sum"`), broadcast back to every token of the sequence.
 
     values, loss_mask: Tensor[N] (concatenated sequences); response_lengths: their lengths
     returns Tensor[N]: out[t] = sum_{s in seq(t)} values[s] * mask[s] / max(sum mask over seq(t), 1)
@@ -176,6 +176,8 @@ def sequence_mean(values: Tensor, response_lengths: list[int], loss_mask: Tensor
                                   torch.as_tensor(lengths, device=values.device))
     m = loss_mask.to(values.dtype)
     sums = torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, seq, values * m)
+    if reduce == "sum":
+        return sums[seq]
     counts = torch.zeros(len(lengths), dtype=values.dtype, device=values.device).index_add(0, seq, m)
     return (sums / counts.clamp(min=1.0))[seq]
 
@@ -274,7 +276,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 
-def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl",
+               importance_ratio: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(policy || ref) from sampled-token log-probs.
 
     log_probs, ref_log_probs: Tensor[N]  ->  Tensor[N] float32
@@ -282,16 +285,88 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
       k2:  (log p - log q)^2 / 2
       k3 / low_var_kl (Schulman's unbiased low-variance estimator, as in slime/verl):
            d = clamp(log q - log p, -20, 20);  exp(d) - d - 1, clamped to [-10, 10]
+    importance_ratio: Tensor[N] or None (`--use-unbiased-kl`, DeepSeek-V3.2): the estimate is
+      multiplied by it (before the k3 clamp), normally exp(log p - log p_old) with gradient
+      through log p, so tokens sampled from the old policy estimate the current policy's KL.
     """
     log_ratio = log_probs.float() - ref_log_probs.float()
     if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return log_ratio.square() / 2.0
-    if kind in ("k3", "low_var_kl"):
+        kl = log_ratio
+    elif kind == "k2":
+        kl = log_ratio.square() / 2.0
+    elif kind in ("k3", "low_var_kl"):
         d = (-log_ratio).clamp(-20.0, 20.0)
-        return (d.exp() - d - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL kind {kind!r} (choose from {', '.join(KL_KINDS)})")
+        kl = d.exp() - d - 1.0
+    else:
+        raise ValueError(f"unknown KL kind {kind!r} (choose from {', '.join(KL_KINDS)})")
+    if importance_ratio is not None:
+        kl = importance_ratio.float() * kl
+    return kl.clamp(-10.0, 10.0) if kind in ("k3", "low_var_kl") else kl
+
+
+# ---------------------------------------------------------------- truncated importance sampling
+#
+# A TIS function (the built-in `vanilla_tis`, or `--custom-tis-function-path`) has the signature
+#     tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_mask, response_lengths)
+#         -> (pg_loss Tensor[N], loss_mask Tensor[N], metrics dict[str, Tensor[N]])
+# over the concatenated response tokens of one micro-batch (original slime's contract, per
+# micro-batch). It returns the weighted per-token policy loss, the mask of tokens that keep a
+# policy loss (0 rejects a token: its policy loss is dropped, the aggregation denominator is
+# unchanged), and per-token metrics logged as loss-mask token means `train/<name>`.
+
+
+def tis_weights(
+    train_log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    clip: float,
+    clip_low: float = 0.0,
+    level: str = "token",
+    response_lengths: list[int] | None = None,
+    loss_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Truncated importance-sampling weights against the engine's log-probs (no gradient).
+
+    train_log_probs:   Tensor[N], the trainer's log-probs under the policy that generated the
+                       rollout (the old log-probs), detached
+    rollout_log_probs: Tensor[N], the engine's log-probs of the same tokens
+    level: token:     ratio_t = exp(train_t - rollout_t)
+           sequence:  every token of sequence i gets prod over its loss-mask tokens of ratio_t
+           geometric: ... the geometric mean of those ratios (exp of the masked mean log-ratio)
+    returns (weights Tensor[N] = clamp(ratio, clip_low, clip), ratio Tensor[N]), float32.
+    """
+    log_ratio = (train_log_probs.detach().float() - rollout_log_probs.detach().float())
+    if level != "token":
+        if response_lengths is None:
+            raise ValueError(f"tis level {level!r} needs response_lengths")
+        if level not in ("sequence", "geometric"):
+            raise ValueError(f"unknown tis level {level!r} (token, sequence, geometric)")
+        mask = torch.ones_like(log_ratio) if loss_mask is None else loss_mask.float()
+        if level == "sequence":
+            log_ratio = sequence_mean(log_ratio, response_lengths, mask, reduce="sum")
+        else:
+            log_ratio = sequence_mean(log_ratio, response_lengths, mask)
+    ratio = log_ratio.clamp(max=80.0).exp()
+    return ratio.clamp(clip_low, clip), ratio
+
+
+def vanilla_tis(args, *, pg_loss: Tensor, train_log_probs: Tensor, rollout_log_probs: Tensor,
+                loss_mask: Tensor, response_lengths: list[int], **_: object):
+    """The built-in TIS function (`--use-tis`): pg_loss * tis_weights(...) with `--tis-clip`,
+    `--tis-clip-low`, `--tis-level`; the mask is unchanged. Metrics: tis (the raw ratio),
+    tis_weight, tis_clipfrac (the clip changed the ratio), tis_abs (|ratio - 1|)."""
+    w, ratio = tis_weights(train_log_probs, rollout_log_probs, args.tis_clip, args.tis_clip_low,
+                           getattr(args, "tis_level", "token"), response_lengths, loss_mask)
+    metrics = {"tis": ratio, "tis_weight": w, "tis_clipfrac": (w != ratio).float(), "tis_abs": (ratio - 1).abs()}
+    return pg_loss * w, loss_mask, metrics
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def sft_loss(log_probs: Tensor) -> Tensor:
+    """Negative log-likelihood per token: log_probs Tensor[N] -> Tensor[N]. Aggregated over the
+    loss-mask tokens with `--loss-agg-mode`, like the policy losses (`--loss-type sft_loss`)."""
+    return -log_probs
 
 
 # ---------------------------------------------------------------- aggregation

@@ -12,6 +12,7 @@ import logging
 
 from slime.engines.router import EnginePool
 from slime.types import Sample, SampleStatus
+from slime.utils.errors import SlimeConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +64,51 @@ async def generate(engines: EnginePool, sample: Sample, params: dict) -> Sample:
     return sample
 
 
-async def score(reward_fn, sample: Sample) -> Sample:
-    """Reward the sample; a reward function that raises, times out or returns NaN marks it FAILED."""
+def scalar_reward(reward, reward_key: str | None):
+    """(scalar reward, the dict or None) from what a reward function returned.
+
+    A dict reward needs `--reward-key` to name its scalar entry; without it, or when the key is
+    missing, that is a configuration error (raised, not a failed sample).
+    """
+    if not isinstance(reward, dict):
+        return reward, None
+    if reward_key is None:
+        raise SlimeConfigError(f"the reward function returned a dict (keys {sorted(reward)}); "
+                               "pass --reward-key KEY to say which entry is the reward")
+    if reward_key not in reward:
+        raise SlimeConfigError(f"--reward-key {reward_key!r}: the reward function returned a dict without it "
+                               f"(keys {sorted(reward)})")
+    return reward[reward_key], reward
+
+
+async def score(reward_fn, sample: Sample, reward_key: str | None = None) -> Sample:
+    """Reward the sample; a reward function that raises, times out or returns NaN marks it FAILED.
+    A dict reward is kept in `sample.reward_dict` and its `reward_key` entry becomes `sample.reward`."""
     try:
         reward = await asyncio.wait_for(
             asyncio.to_thread(reward_fn, sample.response, sample.label), timeout=REWARD_TIMEOUT_S
         )
+    except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
+        return _failed(sample, e)
+    reward, sample.reward_dict = scalar_reward(reward, reward_key)
+    try:
         reward = float(reward)
         if reward != reward:
             raise ValueError("reward is NaN")
         sample.reward = reward
-    except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
-        logger.warning("reward failed for sample %d (label %r): %r", sample.index, sample.label, e)
-        sample.reward = None
-        sample.status = SampleStatus.FAILED
+    except Exception as e:
+        return _failed(sample, e)
     return sample
 
 
-async def generate_and_rm(engines: EnginePool, sample: Sample, params: dict, reward_fn) -> Sample:
+def _failed(sample: Sample, e: Exception) -> Sample:
+    logger.warning("reward failed for sample %d (label %r): %r", sample.index, sample.label, e)
+    sample.reward = None
+    sample.status = SampleStatus.FAILED
+    return sample
+
+
+async def generate_and_rm(engines: EnginePool, sample: Sample, params: dict, reward_fn,
+                          reward_key: str | None = None) -> Sample:
     sample = await generate(engines, sample, params)
-    return await score(reward_fn, sample)
+    return await score(reward_fn, sample, reward_key)

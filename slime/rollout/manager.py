@@ -10,6 +10,9 @@ per data-parallel rank plus the rollout's metrics.
 Dynamic sampling (DAPO, `--dynamic-sampling-filter-path`): prompts are launched in
 rounds of `--over-sampling-batch-size`; each round's groups are generated
 concurrently, then filtered, until `rollout_batch_size` groups are kept.
+
+SFT (`--loss-type sft_loss`): no engines; each rollout is the next `rollout_batch_size`
+conversations of the chat data, masked to their assistant turns (`slime.rollout.sft`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from slime.data.dataset import load_prompts
 from slime.data.source import DataSource
 from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
+from slime.rollout import sft
 from slime.rollout.generate import generate_and_rm, sample_seed, sampling_params
 from slime.rollout.filters import as_filter_output
 from slime.rollout.rewards import get_reward_function
@@ -40,7 +44,8 @@ async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout
     """
     base = sampling_params(args, evaluation=evaluation)
     return await asyncio.gather(*(
-        generate_and_rm(engines, s, dict(base, seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn)
+        generate_and_rm(engines, s, dict(base, seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn,
+                        args.reward_key)
         for s in samples
     ))
 
@@ -62,6 +67,12 @@ class RolloutManager:
 
         args = self.args
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+        if args.loss_type == "sft_loss":  # the data is the training batch: no engines, no rewards
+            self.data_source = DataSource(
+                sft.load_conversations(args.prompt_data, tokenizer, args.input_key, args.metadata_key),
+                shuffle=args.rollout_shuffle, seed=args.rollout_seed)
+            self.urls = []
+            return self.urls
 
         def load(path):
             return load_prompts(
@@ -107,6 +118,8 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
+        if args.loss_type == "sft_loss":
+            return self._sft_batch()
         start = time.perf_counter()
         samples, generated, metrics = self._sample_groups(rollout_id)
         elapsed = time.perf_counter() - start
@@ -115,6 +128,8 @@ class RolloutManager:
         metrics.update(self._rollout_metrics(samples))
         if args.overlong_buffer_len > 0:
             metrics["rollout/overlong_penalty"] = statistics.fmean(self._overlong(samples).tolist())
+        if args.mask_truncated_samples:
+            metrics["rollout/overlong_filtered"] = float(sum(s.status == SampleStatus.TRUNCATED for s in samples))
         metrics["perf/rollout_time"] = elapsed
         metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in generated) / max(elapsed, 1e-9)
         return refs, metrics
@@ -184,13 +199,36 @@ class RolloutManager:
                 rewards[i] = r
         return rewards
 
+    def _sft_batch(self) -> tuple[list[ray.ObjectRef], dict[str, float]]:
+        """The next `rollout_batch_size` conversations as training data (`--loss-type sft_loss`)."""
+        args = self.args
+        samples = sft.to_samples(self.data_source.next_prompts(args.rollout_batch_size))
+        n = len(samples)
+        batch = RolloutBatch(
+            tokens=[s.tokens for s in samples], response_lengths=[s.response_length for s in samples],
+            loss_masks=[s.loss_mask for s in samples], rewards=[0.0] * n, raw_rewards=[0.0] * n,
+            rollout_log_probs=[None] * n, group_indices=[s.group_index for s in samples],
+        )
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        return refs, {
+            "rollout/sequence_len/mean": statistics.fmean(len(s.tokens) for s in samples),
+            "rollout/response_len/mean": statistics.fmean(s.response_length for s in samples),
+            "rollout/loss_tokens/mean": statistics.fmean(sum(s.loss_mask) for s in samples),
+        }
+
+    def _loss_mask(self, s: Sample) -> list[int]:
+        """A sample whose reward failed trains on nothing; nor, with --mask-truncated-samples (DAPO
+        overlong filtering), does one cut off at the length limit."""
+        if s.status == SampleStatus.FAILED or (self.args.mask_truncated_samples and s.status == SampleStatus.TRUNCATED):
+            return [0] * s.response_length
+        return s.loss_mask
+
     def _to_train_batch(self, samples: list[Sample]) -> RolloutBatch:
         rewards = self._train_rewards(samples)
         return RolloutBatch(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
-            # a sample whose reward failed trains on nothing
-            loss_masks=[s.loss_mask if s.status != SampleStatus.FAILED else [0] * s.response_length for s in samples],
+            loss_masks=[self._loss_mask(s) for s in samples],
             rewards=rewards,
             raw_rewards=[s.reward if s.reward is not None else 0.0 for s in samples],
             rollout_log_probs=[s.rollout_log_probs for s in samples],
@@ -205,7 +243,7 @@ class RolloutManager:
         for s in samples:
             if s.reward is not None:
                 groups.setdefault(s.group_index, []).append(s.reward)
-        return {
+        metrics = {
             "rollout/raw_reward": statistics.fmean(scored) if scored else 0.0,
             "rollout/response_len/mean": statistics.fmean(lengths),
             "rollout/response_len/max": float(max(lengths)),
@@ -214,6 +252,13 @@ class RolloutManager:
             "rollout/zero_std_group_ratio": sum(len(set(g)) == 1 for g in groups.values()) / max(len(groups), 1),
             "rollout/reward_failures": float(len(samples) - len(scored)),
         }
+        entries: dict[str, list[float]] = {}  # dict rewards (--reward-key): every numeric entry's mean
+        for s in samples:
+            for k, v in (s.reward_dict or {}).items():
+                if isinstance(v, (int, float)):
+                    entries.setdefault(k, []).append(float(v))
+        metrics.update({f"rollout/reward/{k}": statistics.fmean(v) for k, v in entries.items()})
+        return metrics
 
     # --------------------------------------------------------------- evaluation
     def eval(self, rollout_id: int) -> dict[str, float]:

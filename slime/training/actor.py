@@ -2,18 +2,22 @@
 
 Per rollout (`train`, role "actor"):
   1. reference log-probs (frozen initial weights) when the KL loss or KL-in-reward is on;
-  2. old log-probs: with one step per rollout (and no KL-in-reward), the detached
-     log-probs of the training forward itself (ratio exactly 1); otherwise a no-grad
-     pass before any update;
+  2. old log-probs: the engine's with `--use-rollout-logprobs`; else, with one step per
+     rollout (and no KL-in-reward), the detached log-probs of the training forward itself
+     (ratio exactly 1); otherwise a no-grad pass before any update;
   3. advantages via `ADVANTAGE_ESTIMATORS[args.advantage_estimator]` (or
      `--custom-advantage-function-path`), from rewards, KL(old || ref) when
      `--kl-coef` > 0 and the critic's values (PPO); optionally whitened over all ranks;
   4. per optimizer step: micro-batches of `args.micro_batch_size` samples, per-token
      loss = policy loss (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or
-     `--custom-loss-function-path`) + kl_loss_coef * KL - entropy_coef * entropy,
+     `--custom-loss-function-path`), weighted by truncated importance sampling against the
+     engine's log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with
+     `--use-unbiased-kl`) - entropy_coef * entropy,
      aggregated with per-token weights that depend only on the sample and the global
      step (`--loss-agg-mode`), times dp_size to undo FSDP's gradient averaging; grad
      clip; AdamW step.
+`--loss-type sft_loss` replaces all of this with the negative log-likelihood of the
+loss-mask tokens (`_train_sft`), aggregated the same way.
 Role "critic" (PPO) is a value model: `compute_values` before the actor's advantages,
 then `train_critic` on the actor's returns with the clipped value loss.
 Metrics are token-weighted within a step (all ranks), averaged over steps, and
@@ -32,7 +36,9 @@ import torch
 from torch import Tensor
 
 from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_stats
-from slime.algorithms.losses import POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, value_loss
+from slime.algorithms.losses import (
+    POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
+)
 from slime.arguments import num_cpu_threads
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
@@ -88,6 +94,8 @@ class TrainActor:
         self.custom_advantage_fn = load_function(args.custom_advantage_function_path,
                                                  "--custom-advantage-function-path") \
             if args.custom_advantage_function_path else None
+        self.custom_tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
+            if args.custom_tis_function_path else None
         self._returns = None
         self.backend = _make_backend(args, self.rank, self.world_size, self.master_addr,
                                      self.master_port, with_ref=self.use_ref, value_head=critic)
@@ -165,6 +173,18 @@ class TrainActor:
                                       len(step_idx) * self.world_size, args.rollout_max_response_len)
         return weights, global_tokens
 
+    def _rollout_log_probs(self, batch: RolloutBatch, why: str) -> list[Tensor]:
+        """The engine's log-probs of every sample (Tensor[L_i] each); an error when one is missing."""
+        out = []
+        for i, r in enumerate(batch.response_lengths):
+            lp = batch.rollout_log_probs[i] if batch.rollout_log_probs is not None and i < len(
+                batch.rollout_log_probs) else None
+            if lp is None or len(lp) != r:
+                raise ValueError(f"{why} needs the engine's log-probs of every response token; sample {i} has "
+                                 f"{'none' if lp is None else len(lp)} for {r} tokens")
+            out.append(torch.as_tensor(lp, dtype=torch.float32))
+        return out
+
     def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
         """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
         args, be = self.args, self.backend
@@ -173,6 +193,8 @@ class TrainActor:
         if self.role == "critic":
             raise RuntimeError("TrainActor.train is the actor's; the critic trains with train_critic")
         self._check(batch)
+        if args.loss_type == "sft_loss":
+            return self._train_sft(batch)
         n = len(batch)
         lengths = batch.response_lengths
         masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
@@ -183,70 +205,96 @@ class TrainActor:
             and batch.rollout_log_probs[i] is not None and len(batch.rollout_log_probs[i]) == lengths[i]
             for i in range(n)
         ]
+        rollout_lps = None
+        if args.use_tis or args.use_rollout_logprobs:
+            rollout_lps = self._rollout_log_probs(batch, "--use-tis" if args.use_tis else "--use-rollout-logprobs")
         ref_lps = self._no_grad_log_probs(batch, ref=True) if self.use_ref else None
-        # old log-probs: with one step per rollout and nothing needing them before the update, the
-        # detached log-probs of the training forward itself (ratio exactly 1); else a no-grad pass
-        lazy_old = args.num_steps_per_rollout == 1 and args.kl_coef == 0
-        old_lps: list[Tensor | None] = [None] * n if lazy_old else self._no_grad_log_probs(batch, ref=False)
+        # old log-probs (the PPO ratio's denominator), from one of three sources:
+        #   "rollout": the engine's (--use-rollout-logprobs), no extra pass;
+        #   "forward": one step per rollout and nothing needing them before the update: the detached
+        #              log-probs of the training forward itself (ratio exactly 1);
+        #   "pass":    a no-grad pass before any update.
+        # `pre_lps` are the trainer's log-probs before any update (for TIS and the mismatch metric).
+        if args.use_rollout_logprobs:
+            source = "rollout"
+        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0:
+            source = "forward"
+        else:
+            source = "pass"
+        pre_lps: list[Tensor | None] = self._no_grad_log_probs(batch, ref=False) if source == "pass" else [None] * n
+        old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
         kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
         advantages, self._returns = self._advantages(batch, masks, kl, values)
         policy_loss = self.custom_loss_fn or POLICY_LOSSES[args.policy_loss_type]
+        tis_fn = (self.custom_tis_fn or vanilla_tis) if args.use_tis else None
         dev = be.device
 
         per_step = n // args.num_steps_per_rollout
-        step_metrics: list[Tensor] = []
+        step_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
         for s in range(args.num_steps_per_rollout):
             step_idx = list(range(s * per_step, (s + 1) * per_step))
             mbs = self._micro_batches(batch, step_idx)
             weights, global_tokens = self._step_weights(masks, step_idx)
             weight_of = dict(zip(step_idx, weights))
-            denom = max(global_tokens, 1.0)
-            sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+            sums: dict[str, Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in METRIC_KEYS}
 
             def loss_fn(k: int, lp: Tensor, ent: Tensor) -> Tensor:
                 idx = mbs[k]
+                split = [lengths[i] for i in idx]
                 mask = torch.cat([masks[i] for i in idx]).to(dev)
                 adv = torch.cat([advantages[i] for i in idx]).to(dev)
-                if lazy_old:
-                    old = lp.detach()
-                    for i, part in zip(idx, old.cpu().split([lengths[i] for i in idx])):
-                        old_lps[i] = part
-                else:
-                    old = torch.cat([old_lps[i] for i in idx]).to(dev)
+                current = lp.detach()
+                if s == 0 and source != "pass":  # the first step's forward runs before any update
+                    for i, part in zip(idx, current.cpu().split(split)):
+                        pre_lps[i] = part
+                old = current if source == "forward" else torch.cat([old_lps[i] for i in idx]).to(dev)
                 pg, clipfrac = policy_loss(
                     lp, old, adv, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c,
-                    response_lengths=[lengths[i] for i in idx], loss_mask=mask, args=args,
+                    response_lengths=split, loss_mask=mask, args=args,
                 )
+                extra: dict[str, Tensor] = {}
+                if tis_fn is not None:
+                    # the trainer's log-probs under the policy that generated the rollout vs the engine's
+                    train_side = current if source == "rollout" else old
+                    rl = torch.cat([rollout_lps[i] for i in idx]).to(dev)
+                    pg, pg_mask, extra = tis_fn(args, pg_loss=pg, train_log_probs=train_side, rollout_log_probs=rl,
+                                                loss_mask=mask, response_lengths=split)
+                    pg = pg * pg_mask.to(pg.dtype)
                 tok_loss = pg
                 kl_tok = torch.zeros_like(pg)
                 if self.use_kl_loss:
                     ref = torch.cat([ref_lps[i] for i in idx]).to(dev)
-                    kl_tok = kl_penalty(lp, ref, args.kl_loss_type)
+                    ratio = torch.exp(lp - old) if args.use_unbiased_kl else None
+                    kl_tok = kl_penalty(lp, ref, args.kl_loss_type, importance_ratio=ratio)
                     tok_loss = tok_loss + args.kl_loss_coef * kl_tok
                 if args.entropy_coef:
                     tok_loss = tok_loss - args.entropy_coef * ent
                 with torch.no_grad():
-                    vals = (tok_loss, pg, kl_tok, ent, clipfrac, old - lp)
-                    sums.add_(torch.stack([masked_sum(v.detach().double(), mask) for v in vals]).cpu())
+                    vals = dict(zip(METRIC_KEYS, (tok_loss, pg, kl_tok, ent, clipfrac, old - lp)))
+                    vals.update(extra)
+                    for key, v in vals.items():
+                        sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + \
+                            masked_sum(v.detach().double(), mask).cpu()
                 w = torch.cat([weight_of[i] for i in idx]).to(dev)
                 return (tok_loss * w).sum() * self.world_size
 
             grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn,
                                             entropy_grad=bool(args.entropy_coef)))
-            step_metrics.append(be.all_reduce_sum(sums) / denom)
+            keys = list(METRIC_KEYS) + sorted(set(sums) - set(METRIC_KEYS))  # the same on every rank
+            totals = be.all_reduce_sum(torch.stack([sums[key] for key in keys])) / max(global_tokens, 1.0)
+            step_metrics.append(dict(zip(keys, totals.tolist())))
 
         # |train log-prob before the update - rollout log-prob| over loss-mask tokens
         diff = torch.zeros(2, dtype=torch.float64)
         for i in range(n):
-            if has_rollout_lp[i] and lengths[i] > 0:
+            if has_rollout_lp[i] and lengths[i] > 0 and pre_lps[i] is not None:
                 rl = torch.as_tensor(batch.rollout_log_probs[i], dtype=torch.float32)
-                diff[0] += float(masked_sum((old_lps[i].float() - rl).abs(), masks[i]))
+                diff[0] += float(masked_sum((pre_lps[i].float() - rl).abs(), masks[i]))
                 diff[1] += float(masks[i].sum())
         diff = be.all_reduce_sum(diff)
 
-        mean = torch.stack(step_metrics).mean(0)
-        metrics = {f"train/{k}": float(mean[j]) for j, k in enumerate(METRIC_KEYS)}
+        metrics = {f"train/{k}": sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
         metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["train/lr"] = be.lr
         if diff[1] > 0:
@@ -254,6 +302,37 @@ class TrainActor:
         adv_stats = be.all_reduce_sum(whiten_stats(advantages, masks))
         metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
         return metrics
+
+    def _train_sft(self, batch: RolloutBatch) -> dict[str, float]:
+        """`--loss-type sft_loss`: negative log-likelihood of the loss-mask tokens, aggregated with
+        `--loss-agg-mode` over the same steps and micro-batches as the RL loss."""
+        args, be = self.args, self.backend
+        n = len(batch)
+        masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
+        per_step = n // args.num_steps_per_rollout
+        losses, grad_norms, tokens = [], [], 0.0
+        for s in range(args.num_steps_per_rollout):
+            step_idx = list(range(s * per_step, (s + 1) * per_step))
+            mbs = self._micro_batches(batch, step_idx)
+            weights, global_tokens = self._step_weights(masks, step_idx)
+            weight_of = dict(zip(step_idx, weights))
+            nll = torch.zeros((), dtype=torch.float64)
+
+            def loss_fn(k: int, lp: Tensor, _ent) -> Tensor:
+                nonlocal nll
+                idx = mbs[k]
+                mask = torch.cat([masks[i] for i in idx]).to(be.device)
+                tok_loss = sft_loss(lp)
+                nll = nll + masked_sum(tok_loss.detach().double(), mask).cpu()
+                w = torch.cat([weight_of[i] for i in idx]).to(be.device)
+                return (tok_loss * w).sum() * self.world_size
+
+            grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn))
+            losses.append(float(be.all_reduce_sum(nll.reshape(1))[0]) / max(global_tokens, 1.0))
+            tokens += global_tokens
+        loss = sum(losses) / len(losses)
+        return {"train/loss": loss, "train/sft_loss": loss, "train/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/lr": be.lr, "train/loss_tokens": tokens}
 
     def last_returns(self) -> list[Tensor] | None:
         """The critic's targets from the last `train` (PPO): advantages + values, before whitening."""

@@ -60,7 +60,9 @@ class FSDPBackend:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.temperature = args.rollout_temperature if args.rollout_temperature > 0 else 1.0
+        # log-probs are scored at the temperature the engine sampled with (SFT: the data's, T = 1)
+        sft = getattr(args, "loss_type", None) == "sft_loss"
+        self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
         self._owns_process_group = False
         if not dist.is_initialized():
