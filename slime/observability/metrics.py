@@ -108,6 +108,7 @@ def console_line(rollout_id: int, record: dict) -> str:
         ("rollout/raw_reward", "reward", "{:.3f}"),
         ("rollout/response_len/mean", "len", "{:.1f}"),
         ("train/pg_loss", "pg_loss", "{:+.4f}"),
+        ("train/sft_loss", "sft_loss", "{:.4f}"),
         ("train/kl_loss", "kl", "{:.2e}"),
         ("train/grad_norm", "grad_norm", "{:.3f}"),
         ("train/train_rollout_logprob_abs_diff", "lp_diff", "{:.1e}"),

@@ -38,13 +38,14 @@ from slime.types import RolloutBatch, Sample, SampleStatus
 
 
 async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout_id: int, evaluation: bool):
-    """Generate and score every sample concurrently; each request gets its own sampling seed.
+    """Generate and score every sample concurrently; each request gets its own sampling seed
+    (`sampling_seed`, SGLang's name; the native engine takes it too).
 
     (A module function: a coroutine method would make Ray run the manager as an async actor.)
     """
     base = sampling_params(args, evaluation=evaluation)
     return await asyncio.gather(*(
-        generate_and_rm(engines, s, dict(base, seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn,
+        generate_and_rm(engines, s, dict(base, sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn,
                         args.reward_key)
         for s in samples
     ))
