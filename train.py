@@ -17,7 +17,7 @@ from slime.arguments import parse_args
 from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
 from slime.ray.calls import get
-from slime.ray.actor_group import TrainGroup
+from slime.ray.actor_group import NoTraining, TrainGroup
 from slime.rollout.manager import RolloutManager
 from slime.utils.errors import run_main
 
@@ -34,7 +34,8 @@ def main() -> None:
     # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
     bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
     critic = TrainGroup(args, role="critic", bundles=bundles) if args.use_critic else None  # PPO value model
-    actor = TrainGroup(args, role="actor", bundles=bundles, critic=critic)
+    actor = (NoTraining() if args.debug_rollout_only  # generate and score only
+             else TrainGroup(args, role="actor", bundles=bundles, critic=critic))
     actor.init()
     start_rollout_id = checkpoint.load(args, actor, rollout)
     logger = MetricsLogger.from_args(args, start_rollout_id)
@@ -42,11 +43,12 @@ def main() -> None:
           f"{args.dp_size} train rank(s); metrics in {logger.path}")
 
     def push_weights(version: int) -> None:
-        """The engines serve the trainer's weights (policy version = rollouts trained). SFT
-        (--loss-type sft_loss) trains on the chat data itself: it starts no engines, so there is
-        nothing to push (and nothing to evaluate)."""
-        if args.loss_type != "sft_loss":
+        """The engines serve the trainer's weights (policy version = rollouts trained). SFT and
+        --debug-train-only start no engines, so there is nothing to push."""
+        if engine_urls:
             actor.update_weights(engine_urls, weight_version=version)
+            if args.check_weight_update_equal:
+                actor.check_weights(engine_urls)
 
     push_weights(start_rollout_id)
 

@@ -211,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--output-dir", default=None, help="metrics and logs (default: a new folder under ./outputs)")
 
+    g = p.add_argument_group("debug")
+    g.add_argument("--debug-rollout-only", action="store_true",
+                   help="generate and score rollouts without training (no train ranks, no weight sync)")
+    g.add_argument("--debug-train-only", action="store_true",
+                   help="train on rollouts saved earlier (--load-debug-rollout-data) without engines")
+    g.add_argument("--save-debug-rollout-data", default=None,
+                   help="write each rollout's scored samples to this path; {rollout_id} is replaced")
+    g.add_argument("--load-debug-rollout-data", default=None,
+                   help="train on samples written by --save-debug-rollout-data instead of generating "
+                        "(implies --debug-train-only); {rollout_id} is replaced")
+    g.add_argument("--check-weight-update-equal", action="store_true",
+                   help="after every weight sync, check that each engine's weights equal the trainer's bit for bit")
+
     g = p.add_argument_group("logging")
     g.add_argument("--use-wandb", action="store_true", help="also log metrics to Weights & Biases")
     g.add_argument("--wandb-project", default="slime")
@@ -377,9 +390,32 @@ def validate(args: Args) -> Args:
         _require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
         args.num_rollout = max(1, args.num_epoch * count_rows(args.prompt_data) // args.rollout_batch_size)
     _require(args.num_rollout >= 1, f"--num-rollout must be >= 1, got {args.num_rollout}")
+    _validate_debug(args)
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     return args.freeze()
+
+
+def _validate_debug(args: Args) -> None:
+    if args.load_debug_rollout_data:
+        args.debug_train_only = True
+    _require(not (args.debug_rollout_only and args.debug_train_only),
+             "--debug-rollout-only and --debug-train-only exclude each other")
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        path = getattr(args, flag)
+        _require(path is None or args.num_rollout == 1 or "{rollout_id}" in path,
+                 f"--{flag.replace('_', '-')} {path!r} needs {{rollout_id}} in it when --num-rollout > 1")
+    if args.debug_rollout_only:
+        _require(args.loss_type != "sft_loss", "--debug-rollout-only has nothing to generate with --loss-type sft_loss")
+        _require(args.save is None and args.load is None,
+                 "--save/--load need train ranks, which --debug-rollout-only does not start")
+        _require(not args.check_weight_update_equal, "--check-weight-update-equal needs train ranks")
+    if args.debug_train_only:
+        _require(args.load_debug_rollout_data is not None, "--debug-train-only needs --load-debug-rollout-data PATH")
+        _require(not args.eval_sets, "--eval-prompt-data needs engines, which --debug-train-only does not start")
+        _require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
+        _require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
+        args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 
 def _validate_algorithm(args: Args) -> None:

@@ -88,3 +88,17 @@ def test_eval_sets(base, tmp_path):
     assert args.eval_sets == {"eval": str(p)}
     with pytest.raises(SlimeConfigError, match="NAME PATH pairs"):
         parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1", "--eval-prompt-data", "a", str(p), "b"])
+
+
+def test_debug_modes(base, tmp_path):
+    common = base + ["--rollout-batch-size", "1", "--num-rollout", "2"]
+    args = parse_args(common + ["--load-debug-rollout-data", str(tmp_path / "r{rollout_id}.json")])
+    assert args.debug_train_only and args.num_engines == 0 and args.rollout_num_gpus == 0
+    with pytest.raises(SlimeConfigError, match=r"needs \{rollout_id\} in it when --num-rollout > 1"):
+        parse_args(common + ["--save-debug-rollout-data", str(tmp_path / "r.json")])
+    with pytest.raises(SlimeConfigError, match="--debug-train-only needs --load-debug-rollout-data PATH"):
+        parse_args(common + ["--debug-train-only"])
+    with pytest.raises(SlimeConfigError, match="exclude each other"):
+        parse_args(common + ["--debug-rollout-only", "--debug-train-only"])
+    with pytest.raises(SlimeConfigError, match="--save/--load need train ranks"):
+        parse_args(common + ["--debug-rollout-only", "--save", str(tmp_path / "c")])

@@ -26,3 +26,22 @@ def test_digest_sees_dtype_shape_and_one_bit():
     u = t.clone()
     u.view(torch.int32)[3] ^= 1  # flip the lowest mantissa bit
     assert tensor_digest(t) != tensor_digest(u)
+
+
+def test_check_engine_weights_over_http(tiny_model_dir, tmp_path):
+    import pytest
+    from safetensors.torch import save
+
+    from slime.engines.client import post_bytes
+    from slime.training.weight_sync import check_engine_weights
+    from tests._native_server import native_server
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    named = list(reference.named_parameters())
+    with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _):
+        assert check_engine_weights(named, [url]) == len(named)
+        post_bytes(url, "/update_weights_from_tensor", save({"model.norm.weight": torch.zeros(128)}),
+                   {"weight_version": "1"})
+        with pytest.raises(RuntimeError, match=r"serves weights that differ from the trainer's: \['model.norm.weight'\] \(1 of"):
+            check_engine_weights(named, [url])
+        assert check_engine_weights(named, [url], check=False) == len(named)  # non-checking ranks only hash

@@ -146,6 +146,11 @@ class TrainGroup:
         {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}."""
         return self._all("update_weights", list(engine_urls), weight_version)[0]
 
+    def check_weights(self, engine_urls: list[str]) -> int:
+        """`--check-weight-update-equal`: every engine's weights equal the trainer's, bit for bit
+        (a mismatch is an error naming the engine and parameters); returns parameters compared."""
+        return self._all("check_weights", list(engine_urls))[0]
+
     def save(self, path: str) -> None:
         self._all("save", str(path))
         if self.critic is not None:
@@ -170,3 +175,21 @@ class TrainGroup:
         for a in self._actors:
             ray.kill(a)
         self._actors = []
+
+
+class NoTraining:
+    """Stands in for the train group under --debug-rollout-only: rollouts are generated and
+    scored, nothing is trained and the engines keep the --hf-checkpoint weights."""
+
+    def init(self) -> None:
+        pass
+
+    def train(self, rollout_id: int, batches: list) -> dict[str, float]:
+        return {}
+
+    def update_weights(self, engine_urls: list[str], weight_version: int) -> dict[str, float]:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+

@@ -30,7 +30,7 @@ from slime.data.dataset import load_prompts
 from slime.data.source import DataSource
 from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
-from slime.rollout import sft
+from slime.rollout import debug_data, sft
 from slime.rollout.generate import generate_and_rm, sample_seed, sampling_params
 from slime.rollout.filters import as_filter_output
 from slime.rollout.rewards import get_reward_function
@@ -94,7 +94,8 @@ class RolloutManager:
                 opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
             self.servers.append(server_cls.options(**opts).remote(args, rank))
         self.urls = ray.get([s.start.remote() for s in self.servers])
-        self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout)
+        # --debug-train-only replays saved rollouts and starts no engines
+        self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout) if self.urls else None
         return self.urls
 
     def _hook(self, flag: str):
@@ -122,7 +123,13 @@ class RolloutManager:
         if args.loss_type == "sft_loss":
             return self._sft_batch()
         start = time.perf_counter()
-        samples, generated, metrics = self._sample_groups(rollout_id)
+        if args.load_debug_rollout_data:  # replay a saved rollout instead of generating
+            samples = generated = debug_data.load_samples(args.load_debug_rollout_data, rollout_id)
+            metrics = {}
+        else:
+            samples, generated, metrics = self._sample_groups(rollout_id)
+        if args.save_debug_rollout_data:
+            debug_data.save_samples(args.save_debug_rollout_data, rollout_id, samples)
         elapsed = time.perf_counter() - start
         batch = self._to_train_batch(samples)
         refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
@@ -283,6 +290,6 @@ class RolloutManager:
         self.data_source.load_state_dict(state["data_source"])
 
     def shutdown(self) -> None:
-        if hasattr(self, "engines"):
+        if getattr(self, "engines", None) is not None:
             self._run(self.engines.close())
         ray.get([s.shutdown.remote() for s in self.servers])

@@ -413,6 +413,12 @@ class TrainActor:
             send=self.rank == 0,
         )
 
+    def check_weights(self, engine_urls: list[str]) -> int:
+        """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
+        from slime.training.weight_sync import check_engine_weights
+
+        return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
+
     def save(self, path: str) -> None:
         self.backend.save(path)
 

@@ -276,3 +276,25 @@ def broadcast_weights(
             group.close()
     return {"bytes": tensor_bytes, "buckets": n_buckets, "seconds": time.perf_counter() - t0,
             "num_engines": len(engine_urls)}
+
+
+def check_engine_weights(named_weights, engine_urls: list[str], check: bool = True, timeout: float = 600.0) -> int:
+    """`--check-weight-update-equal`: compare every engine's `/weights_checksum` with the digests
+    of `named_weights` (full tensors, HF names). All ranks must iterate `named_weights` (it is a
+    collective); only the rank with `check` talks to the engines. Returns the number of
+    parameters compared per engine; raises RuntimeError naming the engine and the parameters
+    that differ."""
+    from slime.engines.client import get_json
+    from slime.utils.weights import compare_digests, tensor_digest
+
+    expected = {name: tensor_digest(t) for name, t in named_weights}
+    if not check:
+        return len(expected)
+    for url in engine_urls:
+        served = get_json(url, "/weights_checksum", timeout=timeout)["checksums"]
+        differ = compare_digests(expected, served)
+        if differ:
+            raise RuntimeError(f"engine {url} serves weights that differ from the trainer's: {differ[:10]}"
+                               f"{' ...' if len(differ) > 10 else ''} ({len(differ)} of {len(expected)})")
+    return len(expected)
+

@@ -1,0 +1,33 @@
+"""Debug modes: rollout-only runs, saved rollouts replayed without engines, weight-sync checks."""
+
+import pytest
+
+from test_e2e import records, run, shape_cmd, task  # noqa: F401  (task is a fixture)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_replayed_rollouts_train_exactly_like_the_live_run(task, tmp_path):
+    saved = str(tmp_path / "rollouts" / "rollout_{rollout_id}.json")
+    live, replay = tmp_path / "live", tmp_path / "replay"
+    proc = run(shape_cmd(task, live, "--num-rollout", "2", "--save-debug-rollout-data", saved,
+                         "--check-weight-update-equal"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["rollout_0.json", "rollout_1.json"]
+
+    proc = run(shape_cmd(task, replay, "--num-rollout", "2", "--load-debug-rollout-data", saved))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 engine(s)" in proc.stdout
+    for a, b in zip(records(live), records(replay), strict=True):
+        same = {k: v for k, v in a.items() if k.startswith("train/")}
+        assert same and same == {k: b[k] for k in same}
+        assert a["rollout/raw_reward"] == b["rollout/raw_reward"]
+
+
+def test_rollout_only_generates_and_scores_without_training(task, tmp_path):
+    out = tmp_path / "out"
+    proc = run(shape_cmd(task, out, "--num-rollout", "2", "--debug-rollout-only"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(out)
+    assert [r["rollout_id"] for r in recs] == [0, 1]
+    assert all("rollout/raw_reward" in r and not any(k.startswith("train/") for k in r) for r in recs)
