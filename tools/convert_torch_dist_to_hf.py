@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Megatron "torch_dist" checkpoint -> a Hugging Face directory that `transformers` loads.
+
+    python tools/convert_torch_dist_to_hf.py --input-dir CKPT --output-dir OUT --origin-hf-dir HF_DIR [--vocab-size N]
+
+CKPT is a Megatron save directory (its `latest_checkpointed_iteration.txt` names
+the iteration) or one `iter_XXXXXXX` / `release` directory in it, written by
+megatron.core.dist_checkpointing for a GPTModel with TP/PP of any size (the
+loader reshards). For Llama / Qwen2 / Qwen3 (dense) models. The architecture,
+config and tokenizer come from `--origin-hf-dir`. Embedding rows padded beyond the
+vocabulary are trimmed to `--vocab-size`, default the origin config's vocab_size.
+Needs megatron-core (`pip install megatron-core`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime.utils.errors import SlimeError, run_main  # noqa: E402
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | Path,
+            vocab_size: int | None = None) -> Path:
+    from slime.utils import megatron_convert as mc
+
+    mc.require_megatron()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    origin = Path(origin_hf_dir)
+    if not (origin / "config.json").is_file():
+        raise SlimeError(f"--origin-hf-dir {origin}: no config.json")
+    config = AutoConfig.from_pretrained(origin)
+    mc.check_config(config)
+    ckpt = mc.resolve_checkpoint_dir(input_dir)
+    shapes = mc.checkpoint_tensor_shapes(ckpt)
+    if _EMBEDDING_KEY not in shapes:
+        raise SlimeError(f"{ckpt}: no {_EMBEDDING_KEY} in the checkpoint (not a GPTModel checkpoint?)")
+    (vocab_rows, hidden), dtype = shapes[_EMBEDDING_KEY]
+    if hidden != config.hidden_size:
+        raise SlimeError(f"{ckpt}: hidden size {hidden} does not match --origin-hf-dir's {config.hidden_size}")
+    if vocab_size is None:
+        vocab_size = min(config.vocab_size, vocab_rows)
+    with mc.single_process_parallel_state():
+        model = mc.build_gpt_model(config, vocab_rows, dtype)
+        mc.load_torch_dist(model, ckpt)
+        mcore_state = {k: v.detach() for k, v in model.state_dict().items() if hasattr(v, "detach")}
+    state = mc.mcore_to_hf(mcore_state, config, vocab_size=vocab_size)
+    del model, mcore_state
+    config.vocab_size = vocab_size
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf_model = hf_model.to_empty(device="cpu")
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    if config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+        hf_model.tie_weights()
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise SlimeError(f"{ckpt}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(out, safe_serialization=True)
+    for f in origin.iterdir():  # tokenizer and other non-weight files
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES) \
+                and not f.name.endswith(".index.json") and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input-dir", required=True, help="a Megatron save directory or one iter_XXXXXXX dir in it")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--origin-hf-dir", required=True, help="HF directory with the model's config and tokenizer")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="trim padded embedding rows to this size (default: the origin config's vocab_size)")
+    args = p.parse_args()
+    print(convert(args.input_dir, args.output_dir, args.origin_hf_dir, args.vocab_size))
+
+
+if __name__ == "__main__":
+    run_main(main)
