@@ -28,7 +28,7 @@ def main() -> None:
     pgs = placement.create(args)
 
     # Rollout: data source, engines, rewards.
-    rollout = ray.remote(num_cpus=0)(RolloutManager).remote(args, pgs)
+    rollout = ray.remote(num_cpus=0, max_concurrency=2)(RolloutManager).remote(args, pgs)  # 2: progress polls
     engine_urls = get(rollout.init.remote(), "start-up", "RolloutManager", args.stage_timeout)
 
     # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
@@ -57,7 +57,8 @@ def main() -> None:
             return
         due = trained_rollouts % args.eval_interval == 0 or trained_rollouts == args.num_rollout
         if due:
-            metrics = get(rollout.eval.remote(trained_rollouts), "eval", "RolloutManager", args.stage_timeout)
+            metrics = get(rollout.eval.remote(trained_rollouts), "eval", "RolloutManager", args.stage_timeout,
+                          progress=rollout.progress.remote)
             logger.log(trained_rollouts, {"rollout_id": trained_rollouts, "trained_rollouts": trained_rollouts, **metrics})
             tqdm.write(f"eval after {trained_rollouts} rollouts: "
                        + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1))
@@ -70,7 +71,7 @@ def main() -> None:
                                initial=start_rollout_id, total=args.num_rollout):
             step_start = time.perf_counter()
             data_refs, record = get(rollout.generate.remote(rollout_id), f"rollout {rollout_id}", "RolloutManager",
-                                    args.stage_timeout)
+                                    args.stage_timeout, progress=rollout.progress.remote)
 
             train_start = time.perf_counter()
             record.update(actor.train(rollout_id, data_refs))

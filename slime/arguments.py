@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after every weight sync, check that each engine's weights equal the trainer's bit for bit")
 
     g = p.add_argument_group("logging")
+    g.add_argument("--use-tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="log metrics to TensorBoard under <output-dir>/tensorboard (default on)")
     g.add_argument("--use-wandb", action="store_true", help="also log metrics to Weights & Biases")
     g.add_argument("--wandb-project", default="slime")
     g.add_argument("--wandb-group", default=None)

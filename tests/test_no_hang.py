@@ -65,3 +65,30 @@ def test_killed_train_rank_is_a_clear_error_within_the_timeout(tiny_model_dir, t
         assert time.monotonic() - start < 60
     finally:
         group.shutdown()
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class Worker:
+    def __init__(self):
+        self.done, self.total, self.polls = 0, 0, 0
+
+    def work(self, steps):
+        self.total = steps
+        for _ in range(steps):
+            time.sleep(0.3)
+            self.done += 1
+        return "finished"
+
+    def progress(self):
+        self.polls += 1
+        return self.done, self.total
+
+    def poll_count(self):
+        return self.polls
+
+
+def test_progress_is_polled_while_waiting(ray_session, capsys):
+    worker = Worker.remote()
+    assert get(worker.work.remote(8), "rollout 0", "Worker", timeout=60, progress=worker.progress.remote) == "finished"
+    assert ray.get(worker.poll_count.remote()) >= 2
+    assert "rollout 0" in capsys.readouterr().err  # the bar is drawn on stderr

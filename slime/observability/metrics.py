@@ -48,7 +48,7 @@ class MetricsLogger:
                 "mode": args.wandb_mode or os.environ.get("WANDB_MODE", "online"),
                 "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             }
-        return cls(args.output_dir, wandb_config=wandb_config)
+        return cls(args.output_dir, tensorboard=args.use_tensorboard, wandb_config=wandb_config)
 
     def log(self, step: int, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=False) + "\n")

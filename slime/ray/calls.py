@@ -3,7 +3,8 @@ the stage and the actor."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -16,13 +17,39 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def get(ref, stage: str, actor: str, timeout: float | None) -> Any:
+def get(ref, stage: str, actor: str, timeout: float | None,
+        progress: Callable[[], Any] | None = None) -> Any:
     """`ray.get` that turns a timeout or a dead actor into a RunFailure naming `stage` and `actor`.
 
-    An exception raised by the actor's own code propagates unchanged (with its traceback)."""
+    `progress`, when given, returns an object ref of `(done, total)`; it is polled while waiting
+    and shown as a progress bar. An exception raised by the actor's own code propagates
+    unchanged (with its traceback)."""
     try:
+        if progress is not None:
+            _wait_with_progress(ref, stage, progress, timeout)
         return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
         raise RunFailure(f"{stage}: {actor} did not finish within {timeout:.0f} s (--stage-timeout)") from None
     except RayActorError as e:
         raise RunFailure(f"{stage}: {actor} died ({first_line(e)})") from None
+
+
+def _wait_with_progress(ref, stage: str, progress: Callable[[], Any], timeout: float | None) -> None:
+    from tqdm import tqdm
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tqdm(desc=stage, unit="sample", leave=False, dynamic_ncols=True) as bar:
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise GetTimeoutError()
+            ready, _ = ray.wait([ref], timeout=0.5 if remaining is None else min(0.5, remaining))
+            if ready:
+                return
+            try:
+                done, total = ray.get(progress(), timeout=10)
+            except GetTimeoutError:  # a busy actor answers late; the bar just waits
+                continue
+            if (bar.n, bar.total) != (done, total):
+                bar.total, bar.n = total, done
+                bar.refresh()

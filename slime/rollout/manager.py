@@ -37,18 +37,25 @@ from slime.rollout.rewards import get_reward_function
 from slime.types import RolloutBatch, Sample, SampleStatus
 
 
-async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout_id: int, evaluation: bool):
+async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout_id: int, evaluation: bool,
+                        progress: list[int] | None = None):
     """Generate and score every sample concurrently; each request gets its own sampling seed
     (`sampling_seed`, SGLang's name; the native engine takes it too).
 
     (A module function: a coroutine method would make Ray run the manager as an async actor.)
     """
     base = sampling_params(args, evaluation=evaluation)
-    return await asyncio.gather(*(
-        generate_and_rm(engines, s, dict(base, sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation)), reward_fn,
-                        args.reward_key)
-        for s in samples
-    ))
+    if progress is not None:
+        progress[1] += len(samples)
+
+    async def one(s: Sample) -> Sample:
+        params = dict(base, sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation))
+        out = await generate_and_rm(engines, s, params, reward_fn, args.reward_key)
+        if progress is not None:
+            progress[0] += 1
+        return out
+
+    return await asyncio.gather(*(one(s) for s in samples))
 
 
 class RolloutManager:
@@ -56,6 +63,7 @@ class RolloutManager:
         self.args = args
         self.placement = placement
         self.servers: list = []
+        self._progress = [0, 0]  # samples (done, launched) of the generate/eval call in flight
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollout-loop", daemon=True).start()
 
@@ -104,6 +112,11 @@ class RolloutManager:
         path = getattr(self.args, flag)
         return load_function(path, "--" + flag.replace("_", "-")) if path else None
 
+    def progress(self) -> tuple[int, int]:
+        """(samples done, samples launched) of the generate or eval call in flight; the driver polls
+        it for a progress bar (the actor runs with max_concurrency=2 so this answers meanwhile)."""
+        return self._progress[0], self._progress[1]
+
     def num_prompts(self) -> int:
         return len(self.data_source)
 
@@ -120,6 +133,7 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
+        self._progress = [0, 0]
         if args.loss_type == "sft_loss":
             return self._sft_batch()
         start = time.perf_counter()
@@ -156,7 +170,8 @@ class RolloutManager:
         while len(kept) < target and rounds < args.dynamic_sampling_max_rounds:
             prompts = self.data_source.next_prompts(args.over_sampling_batch_size)
             samples = self._make_samples(prompts, n, first_group=rounds * args.over_sampling_batch_size)
-            samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False))
+            samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False,
+                                                    self._progress))
             generated.extend(samples)
             rounds += 1
             for g in range(len(prompts)):
@@ -271,11 +286,13 @@ class RolloutManager:
     # --------------------------------------------------------------- evaluation
     def eval(self, rollout_id: int) -> dict[str, float]:
         """Score every eval set with the current engine weights: `eval/<name>` is the mean reward."""
+        self._progress = [0, 0]
         metrics: dict[str, float] = {}
         for name, prompts in self.eval_sets.items():
             start = time.perf_counter()
             samples = self._make_samples(prompts, self.args.n_samples_per_eval_prompt)
-            samples = self._run(_generate_all(self.args, self.engines, self.reward_fn, samples, rollout_id, True))
+            samples = self._run(_generate_all(self.args, self.engines, self.reward_fn, samples, rollout_id, True,
+                                                    self._progress))
             metrics[f"eval/{name}"] = statistics.fmean(s.reward if s.reward is not None else 0.0 for s in samples)
             metrics[f"eval/{name}/response_len/mean"] = statistics.fmean(s.response_length for s in samples)
             metrics[f"eval/{name}/reward_failures"] = float(sum(s.reward is None for s in samples))
