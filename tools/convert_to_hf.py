@@ -14,7 +14,6 @@ tokenizer come from `--origin-hf-dir`, default the checkpoint's own `hf/`.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime.utils.errors import SlimeError, run_main  # noqa: E402
+from slime.utils.hf_export import save_hf_model  # noqa: E402
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -55,7 +54,7 @@ def load_model_state(train_state: Path) -> dict:
 def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | Path | None = None,
             vocab_size: int | None = None) -> Path:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     ckpt = resolve_checkpoint(Path(input_dir))
     origin = Path(origin_hf_dir) if origin_hf_dir else ckpt / "hf"
@@ -71,23 +70,7 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
             if name in state:
                 state[name] = state[name][:vocab_size].clone()
         config.vocab_size = vocab_size
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = model.to_empty(device="cpu")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-        model.tie_weights()
-    if missing or unexpected:
-        raise SlimeError(f"{ckpt}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in origin.iterdir():  # tokenizer and other non-weight files
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES) \
-                and not f.name.endswith(".index.json") and not (out / f.name).exists():
-            shutil.copy2(f, out / f.name)
-    return out
+    return save_hf_model(state, config, origin, output_dir, source=str(ckpt), dtype=torch.float32)
 
 
 def main() -> None:

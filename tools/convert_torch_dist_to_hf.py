@@ -15,15 +15,14 @@ Needs megatron-core (`pip install megatron-core`).
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slime.utils.errors import SlimeError, run_main  # noqa: E402
+from slime.utils.hf_export import save_hf_model  # noqa: E402
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
@@ -32,8 +31,7 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
     from slime.utils import megatron_convert as mc
 
     mc.require_megatron()
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     origin = Path(origin_hf_dir)
     if not (origin / "config.json").is_file():
@@ -56,24 +54,7 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
     state = mc.mcore_to_hf(mcore_state, config, vocab_size=vocab_size)
     del model, mcore_state
     config.vocab_size = vocab_size
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    hf_model = hf_model.to_empty(device="cpu")
-    missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    if config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-        hf_model.tie_weights()
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
-    if missing or unexpected:
-        raise SlimeError(f"{ckpt}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out, safe_serialization=True)
-    for f in origin.iterdir():  # tokenizer and other non-weight files
-        if f.is_file() and f.name != "config.json" and not f.name.endswith(_WEIGHT_SUFFIXES) \
-                and not f.name.endswith(".index.json") and not (out / f.name).exists():
-            shutil.copy2(f, out / f.name)
-    return out
+    return save_hf_model(state, config, origin, output_dir, source=str(ckpt), dtype=dtype)
 
 
 def main() -> None:
