@@ -530,3 +530,16 @@ def test_train_group_with_critic_trains_saves_and_loads_it(tiny_model_dir, tmp_p
     finally:
         group.shutdown()
         other.shutdown()
+
+
+def test_rng_states_round_trip():
+    import random
+
+    import numpy as np
+
+    from slime.training.actor import rng_states, set_rng_states
+
+    saved = rng_states()
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_states(saved)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected

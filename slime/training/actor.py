@@ -420,11 +420,41 @@ class TrainActor:
         return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
 
     def save(self, path: str) -> None:
+        """Model and optimizer (the backend's format) plus this rank's RNG states."""
         self.backend.save(path)
+        torch.save(rng_states(), os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt"))
 
     def load(self, path: str) -> None:
         self.backend.load(path)
+        rng_path = os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt")
+        if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
+            set_rng_states(torch.load(rng_path, weights_only=False))
 
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full model (and optimizer) state dicts on rank 0 (empty elsewhere). Collective; for tests/tools."""
         return self.backend.full_state(optimizer)
+
+
+def rng_states() -> dict:
+    """Python, NumPy and torch (CPU and CUDA) random states, for exact resume."""
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
