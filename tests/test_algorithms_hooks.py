@@ -133,7 +133,10 @@ def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
     import slime.rollout.manager as manager_mod
     from test_fsdp_trainer import make_args
 
-    async def fake_generate_all(args, engines, reward_fn, samples, rollout_id, evaluation):
+    async def fake_generate_all(args, engines, reward_fn, samples, rollout_id, evaluation, progress=None):
+        if progress is not None:  # the real one's contract: (done, launched) counts
+            progress[0] += len(samples)
+            progress[1] += len(samples)
         for s in samples:
             p = s.label
             s.response_length = p % 3 + 1
