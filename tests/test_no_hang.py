@@ -92,3 +92,17 @@ def test_progress_is_polled_while_waiting(ray_session, capsys):
     assert get(worker.work.remote(8), "rollout 0", "Worker", timeout=60, progress=worker.progress.remote) == "finished"
     assert ray.get(worker.poll_count.remote()) >= 2
     assert "rollout 0" in capsys.readouterr().err  # the bar is drawn on stderr
+
+
+@ray.remote(num_cpus=0)
+class Caller:
+    def call_dead_engine(self):
+        from slime.engines.client import get_json
+
+        return get_json("http://127.0.0.1:9", "/health", timeout=2)  # nothing listens on port 9
+
+
+def test_engine_failure_inside_an_actor_names_stage_and_actor(ray_session):
+    with pytest.raises(RunFailure, match=r"^rollout 2: RolloutManager: .*http://127\.0\.0\.1:9") as e:
+        get(Caller.remote().call_dead_engine.remote(), "rollout 2", "RolloutManager", timeout=60)
+    assert "\n" not in str(e.value)

@@ -23,10 +23,12 @@ from typing import Any
 
 import aiohttp
 
+from slime.utils.errors import RunFailure
 
-class EngineError(RuntimeError):
+
+class EngineError(RunFailure, RuntimeError):
     """A failed call to an engine. Attributes: url, endpoint, status (None if no HTTP
-    response), server_message."""
+    response), server_message. A RunFailure: a run that meets one ends with its one-line message."""
 
     def __init__(
         self,

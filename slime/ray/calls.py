@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from slime.utils.errors import RunFailure
 
@@ -22,8 +22,9 @@ def get(ref, stage: str, actor: str, timeout: float | None,
     """`ray.get` that turns a timeout or a dead actor into a RunFailure naming `stage` and `actor`.
 
     `progress`, when given, returns an object ref of `(done, total)`; it is polled while waiting
-    and shown as a progress bar. An exception raised by the actor's own code propagates
-    unchanged (with its traceback)."""
+    and shown as a progress bar. A RunFailure raised inside the actor (an engine that stopped
+    answering, say) comes back with the stage and actor prefixed; any other exception raised by
+    the actor's own code propagates unchanged (with its traceback)."""
     try:
         if progress is not None:
             _wait_with_progress(ref, stage, progress, timeout)
@@ -32,6 +33,10 @@ def get(ref, stage: str, actor: str, timeout: float | None,
         raise RunFailure(f"{stage}: {actor} did not finish within {timeout:.0f} s (--stage-timeout)") from None
     except RayActorError as e:
         raise RunFailure(f"{stage}: {actor} died ({first_line(e)})") from None
+    except RayTaskError as e:  # e.g. an engine died under the rollout manager: say where
+        if isinstance(e.cause, RunFailure):
+            raise RunFailure(f"{stage}: {actor}: {e.cause}") from None
+        raise
 
 
 def _wait_with_progress(ref, stage: str, progress: Callable[[], Any], timeout: float | None) -> None:
