@@ -37,17 +37,7 @@ class EngineWeights:
     def update_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> str:
         """Copy tensors (by Hugging Face parameter name) into the model in place, between
         scheduler steps. All names/shapes are checked before anything is copied."""
-        self._check_weights_resident()
-        pairs = self._check_tensors(tensors)
-        with self._exclusive():
-            self._check_weights_resident()
-            with torch.no_grad():
-                for p, t in pairs:
-                    p.copy_(t.to(device=p.device, dtype=p.dtype))
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            self._stats["weight_updates"] += 1
-        return self.weight_version
+        return self._copy_in(tensors, weight_version)
 
     def weights_checksum(self) -> dict[str, str]:
         """{parameter name: sha256 of its bytes} for every parameter (tied ones once), between steps."""
@@ -70,15 +60,23 @@ class EngineWeights:
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
             tensors.update(load_file(str(f)))
+        version = self._copy_in(tensors, weight_version, skip_unknown_suffixes=("rotary_emb.inv_freq",))
+        self.model_path = str(model_path)
+        return version
+
+    def _copy_in(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
+                 skip_unknown_suffixes: tuple[str, ...] = ()) -> str:
+        """Check every name and shape first, then copy all tensors in place between scheduler
+        steps and set the weight version. Returns the (new) weight version."""
         self._check_weights_resident()
-        pairs = self._check_tensors(tensors, skip_unknown_suffixes=("rotary_emb.inv_freq",))
+        pairs = self._check_tensors(tensors, skip_unknown_suffixes)
         with self._exclusive():
+            self._check_weights_resident()
             with torch.no_grad():
                 for p, t in pairs:
                     p.copy_(t.to(device=p.device, dtype=p.dtype))
             if weight_version is not None:
                 self.weight_version = str(weight_version)
-            self.model_path = str(model_path)
             self._stats["weight_updates"] += 1
         return self.weight_version
 
@@ -127,17 +125,7 @@ class EngineWeights:
             t = torch.empty(tuple(shape), dtype=dtype, device=dev)
             pg.broadcast(t, 0).wait()
             received[name] = t
-        self._check_weights_resident()
-        pairs = self._check_tensors(received)
-        with self._exclusive():
-            self._check_weights_resident()
-            with torch.no_grad():
-                for p, t in pairs:
-                    p.copy_(t.to(device=p.device, dtype=p.dtype))
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            self._stats["weight_updates"] += 1
-        return self.weight_version
+        return self._copy_in(received, weight_version)
 
     # ---- colocated training: give memory back while the trainer runs
     def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
