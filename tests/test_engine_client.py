@@ -244,24 +244,11 @@ def test_wait_until_healthy_failures():
 
 
 @pytest.fixture(scope="module")
-def native_server(tiny_model_dir):
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slime.engines.native", "--model-path", tiny_model_dir, "--port", str(port),
-         "--num-threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, timeout=120, process=proc)
+def native_server(tiny_model_dir, tmp_path_factory):
+    from tests._native_server import native_server as serve
+
+    with serve(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_client_against_native_engine(native_server):

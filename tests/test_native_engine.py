@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -16,9 +15,10 @@ import urllib.request
 import pytest
 import torch
 
-from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json, wait_until_healthy
+from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json
 from slime.engines.native.engine import NativeEngine
 from slime.engines.protocol import ProtocolError
+from tests._native_server import native_server
 
 PROMPTS = ["What is 12 - 3? Answer:", "1 + 1 = 2.", "please reply with only the final result", "7"]
 
@@ -55,34 +55,12 @@ def engine(sharp_model_dir):
     eng.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     """`python -m slime.engines.native` on a free port; yields (url, stdout_path)."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("native_server") / "stdout.txt"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "slime.engines.native", "--model-path", tiny_model_dir,
-             "--port", str(port), "--num-threads", "1", "--random-seed", "0"],
-            stdout=f, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, timeout=120, process=proc)
+    with native_server(tiny_model_dir, log) as (url, _):
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _encode(engine, text):
