@@ -362,7 +362,6 @@ class TrainActor:
             raise RuntimeError("train_critic is a critic method")
         self._check(batch)
         n = len(batch)
-        lengths = batch.response_lengths
         masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
         cached = getattr(self, "_old_values", None)
         old_values = cached[1] if cached is not None and cached[0] == rollout_id else self._no_grad_values(batch)
