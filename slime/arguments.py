@@ -21,6 +21,9 @@ from pathlib import Path
 from slime.utils.errors import SlimeConfigError
 
 SGLANG_PREFIX = "--sglang-"
+VLLM_PREFIX = "--vllm-"
+PASS_THROUGH_PREFIXES = (SGLANG_PREFIX, VLLM_PREFIX)
+ROLLOUT_BACKENDS = ("native", "sglang", "vllm")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
@@ -118,6 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stage-timeout", type=float, default=3600.0,
                    help="seconds any one stage (a rollout, a train step, a weight sync, a save) may take "
                         "before the run stops with an error naming the stage and the actor")
+
+    g = p.add_argument_group("engines")
+    g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="native",
+                   help="native: the embedded PyTorch engine; sglang: sglang.launch_server (--sglang-* "
+                        "forwarded); vllm: vLLM's OpenAI server behind slime's adapter (--vllm-* forwarded)")
+    g.add_argument("--sglang-server-concurrency", type=int, default=512,
+                   help="most requests in flight to one engine")
+    g.add_argument("--sglang-router-ip", default=None,
+                   help="use this already running router instead of starting one")
+    g.add_argument("--sglang-router-port", type=int, default=None)
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="health-check engines during rollout; restart a dead or silent one, give it the "
+                        "current weights and retry its requests")
+    g.add_argument("--rollout-health-check-interval", type=float, default=5.0,
+                   help="seconds between engine health checks (--use-fault-tolerance)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=10.0,
+                   help="an engine that does not answer /health within this many seconds is restarted")
 
     g = p.add_argument_group("training")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
@@ -241,33 +261,35 @@ def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _check_unknown_flags(argv: list[str], parser: argparse.ArgumentParser) -> None:
-    """Every `--flag` must be known or `--sglang-*`; an unknown one suggests the closest known flag."""
+    """Every `--flag` must be known or `--sglang-*`/`--vllm-*`; an unknown one suggests the closest known flag."""
     known = set(_known_flags(parser))
     for tok in argv:
         name = tok.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2 and name not in known and not name.startswith(SGLANG_PREFIX):
+        if name.startswith("--") and len(name) > 2 and name not in known and not name.startswith(PASS_THROUGH_PREFIXES):
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise SlimeConfigError(f"unknown flag {name}{hint}")
 
 
-def _collect_sglang(extra: list[str]) -> dict[str, object]:
-    """`--sglang-foo-bar V` -> {"foo_bar": "V"}; a flag with no value -> True."""
-    out: dict[str, object] = {}
+def _collect_pass_through(extra: list[str]) -> dict[str, dict[str, object]]:
+    """`--sglang-foo-bar V` -> {"--sglang-": {"foo_bar": "V"}} (likewise `--vllm-*`); a flag with no
+    value -> True."""
+    out: dict[str, dict[str, object]] = {prefix: {} for prefix in PASS_THROUGH_PREFIXES}
     i = 0
     while i < len(extra):
         tok = extra[i]
-        if not tok.startswith(SGLANG_PREFIX):
+        prefix = next((p for p in PASS_THROUGH_PREFIXES if tok.startswith(p)), None)
+        if prefix is None:
             raise SlimeConfigError(f"unexpected argument {tok!r}")
-        key, eq, value = tok[len(SGLANG_PREFIX) :].partition("=")
+        key, eq, value = tok[len(prefix) :].partition("=")
         key = key.replace("-", "_")
         if eq:
-            out[key] = value
+            out[prefix][key] = value
         elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-            out[key] = extra[i + 1]
+            out[prefix][key] = extra[i + 1]
             i += 1
         else:
-            out[key] = True
+            out[prefix][key] = True
         i += 1
     return out
 
@@ -312,6 +334,12 @@ def validate(args: Args) -> Args:
         f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
     )
     args.num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    _require(args.sglang_server_concurrency >= 1,
+             f"--sglang-server-concurrency must be >= 1, got {args.sglang_server_concurrency}")
+    _require((args.sglang_router_ip is None) == (args.sglang_router_port is None),
+             "--sglang-router-ip and --sglang-router-port go together")
+    _require(args.rollout_health_check_interval > 0 and args.rollout_health_check_timeout > 0,
+             "--rollout-health-check-interval and --rollout-health-check-timeout must be > 0")
     if args.colocate:
         _require(
             args.rollout_num_gpus == args.dp_size,
@@ -495,7 +523,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     argv = sys.argv[1:] if argv is None else list(argv)
     _check_unknown_flags(argv, parser)
     args, extra = parser.parse_known_args(argv, namespace=Args())
-    args.sglang_args = _collect_sglang(extra)
+    passed = _collect_pass_through(extra)
+    args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
     return validate(args)
 
 

@@ -82,6 +82,19 @@ def native_command(args, rank: int, host: str, port: int) -> list[str]:
     ]
 
 
+def server_command(args, rank: int, host: str, port: int) -> list[str]:
+    """The command line that serves engine `rank` for `--rollout-backend`."""
+    if args.rollout_backend == "sglang":
+        from slime.engines.sglang import sglang_command
+
+        return sglang_command(args, rank, host, port)
+    if args.rollout_backend == "vllm":
+        from slime.engines.vllm import vllm_command
+
+        return vllm_command(args, rank, host, port)
+    return native_command(args, rank, host, port)
+
+
 class EngineServer:
     """Ray actor owning one engine process."""
 
@@ -96,11 +109,11 @@ class EngineServer:
 
         host = "127.0.0.1"
         port = free_port(host)
-        cmd = native_command(self.args, self.rank, host, port)
+        cmd = server_command(self.args, self.rank, host, port)
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine_{self.rank}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=cmd[cmd.index("--num-threads") + 1], PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(num_cpu_threads(self.args.num_engines)), PYTHONUNBUFFERED="1")
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
