@@ -53,7 +53,7 @@ def main() -> None:
     push_weights(start_rollout_id)
 
     def evaluate(trained_rollouts: int) -> None:
-        if not args.eval_sets:
+        if not (args.eval_sets or args.eval_function_path):
             return
         due = trained_rollouts % args.eval_interval == 0 or trained_rollouts == args.num_rollout
         if due:
@@ -65,8 +65,8 @@ def main() -> None:
 
     # A dead or stuck actor ends the run with an error that says where to resume from.
     with checkpoint.resume_hint_on_failure(args):
-        if start_rollout_id == 0:
-            evaluate(0)
+        if start_rollout_id == 0 and not args.skip_eval_before_train:
+            evaluate(0)  # with --num-rollout 0 this is the whole (eval-only) run
         for rollout_id in tqdm(range(start_rollout_id, args.num_rollout), desc="rollouts", unit="rollout",
                                initial=start_rollout_id, total=args.num_rollout):
             step_start = time.perf_counter()

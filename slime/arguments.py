@@ -31,7 +31,7 @@ TIS_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
 POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
-RM_TYPES = ("math", "exact")
+RM_TYPES = ("math", "exact", "reasoning_gym", "remote_rm")
 
 
 class Args(argparse.Namespace):
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-key", default=None)
     g.add_argument("--metadata-key", default="metadata")
     g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--tool-key", default=None,
+                   help="row field with a list of tool schemas for the chat template (kept in metadata['tools'])")
     g.add_argument("--rollout-shuffle", action="store_true")
     g.add_argument("--rollout-seed", type=int, default=42)
     g.add_argument("--num-rollout", type=int, default=None)
@@ -110,8 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts longer than this (in tokens) are dropped, with a counted warning")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
-    g.add_argument("--rm-type", choices=RM_TYPES, default="math",
-                   help="math: math-verify equivalence of the final answer; exact: stripped string equality")
+    g.add_argument("--rm-type", choices=RM_TYPES, default=None,
+                   help="math (default): math-verify equivalence of the final answer; exact: stripped string "
+                        "equality; reasoning_gym: the task's own verifier (metadata from "
+                        "slime.data.reasoning_gym); remote_rm: POST to --rm-url (the default when it is given)")
+    g.add_argument("--rm-url", default=None, help="a remote reward service: POST {prompt, response, label, "
+                   "metadata} -> a number or a dict (docs/custom_rollout.md)")
+    g.add_argument("--rm-timeout", type=float, default=60.0,
+                   help="seconds one reward call may take; past it the sample counts as a reward failure")
+    g.add_argument("--rm-max-retries", type=int, default=3,
+                   help="retries of a remote reward call after a timeout, connection error or HTTP 5xx")
     g.add_argument("--reward-key", default=None,
                    help="the entry of a dict reward that is the scalar reward (each entry is logged as "
                         "rollout/reward/<key>)")
@@ -121,6 +131,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stage-timeout", type=float, default=3600.0,
                    help="seconds any one stage (a rollout, a train step, a weight sync, a save) may take "
                         "before the run stops with an error naming the stage and the actor")
+
+    g = p.add_argument_group("custom rollout (signatures: docs/custom_rollout.md)")
+    g.add_argument("--rollout-function-path", default=None,
+                   help="replaces the whole rollout: fn(args, rollout_id, data_source, evaluation=False) -> groups")
+    g.add_argument("--custom-generate-function-path", default=None,
+                   help="async fn(args, sample, sampling_params) -> Sample or [Sample, ...] (multi-turn, tools)")
+    g.add_argument("--custom-rm-path", default=None,
+                   help="reward: [async] fn(args, sample) -> float | dict, or fn(args, samples) with --group-rm")
+    g.add_argument("--group-rm", action="store_true", help="the reward function scores a whole group at once")
+    g.add_argument("--data-source-path", default=None,
+                   help="a class cls(args) with get_samples/add_samples/state_dict/load_state_dict")
+    g.add_argument("--buffer-filter-path", default=None,
+                   help="fn(args, buffer, num_groups) -> the groups to take from the data buffer")
+    g.add_argument("--rollout-sample-filter-path", default=None,
+                   help="fn(args, groups) -> None; sets sample.remove_sample to keep a sample out of the loss")
+    g.add_argument("--eval-function-path", default=None,
+                   help="replaces evaluation: [async] fn(args, rollout_id) -> {metric: value}")
+    g.add_argument("--custom-config-path", default=None,
+                   help="a YAML file of parameters for custom code; each key becomes an attribute of args")
+    g.add_argument("--max-turns", type=int, default=8,
+                   help="most model turns of a multi-turn episode (slime.rollout.multiturn)")
 
     g = p.add_argument_group("engines")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="native",
@@ -221,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-prompt-data", nargs="+", default=None,
                    help="NAME PATH [NAME PATH ...] (a single PATH is named 'eval')")
     g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--skip-eval-before-train", action="store_true",
+                   help="do not evaluate the initial weights (eval runs before training by default)")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
     g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
@@ -351,12 +384,15 @@ def validate(args: Args) -> Args:
     hf = Path(args.hf_checkpoint)
     _require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
     _require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
-    _require(args.prompt_data is not None, "--prompt-data is required")
-    _require(Path(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
+    _require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
+             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
+    if args.prompt_data is not None:
+        _require(_data_file(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
     args.eval_sets = _parse_eval_sets(args.eval_prompt_data)
     for name, path in args.eval_sets.items():
-        _require(Path(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
-    if args.eval_sets and args.eval_interval is None:
+        _require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
+    _validate_custom_rollout(args)
+    if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
     if args.load is not None:
         _require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
@@ -418,12 +454,66 @@ def validate(args: Args) -> Args:
         from slime.data.dataset import count_rows
 
         _require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
+        _require(args.prompt_data is not None, "--num-epoch needs --prompt-data (use --num-rollout)")
         args.num_rollout = max(1, args.num_epoch * count_rows(args.prompt_data) // args.rollout_batch_size)
-    _require(args.num_rollout >= 1, f"--num-rollout must be >= 1, got {args.num_rollout}")
+    _require(args.num_rollout >= 1 or (args.num_rollout == 0 and (args.eval_sets or args.eval_function_path)),
+             f"--num-rollout must be >= 1 (or 0 with --eval-prompt-data: an eval-only run), got {args.num_rollout}")
+    _require(not (args.num_rollout == 0 and args.skip_eval_before_train),
+             "--num-rollout 0 is an eval-only run; --skip-eval-before-train would leave nothing to do")
     _validate_debug(args)
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     return args.freeze()
+
+
+def _data_file(spec: str) -> Path:
+    from slime.data.dataset import split_slice
+
+    return split_slice(spec)[0]
+
+
+def _validate_custom_rollout(args: Args) -> None:
+    """Reward choice, extension paths (imported now, so a typo fails at start-up naming the flag) and
+    --custom-config-path (its keys become attributes of args)."""
+    if args.rm_type is None:
+        args.rm_type = "remote_rm" if args.rm_url else "math"
+    _require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url URL")
+    _require(args.rm_url is None or args.rm_type == "remote_rm",
+             f"--rm-url is only used with --rm-type remote_rm, not {args.rm_type}")
+    _require(args.rm_url is None or args.rm_url.startswith(("http://", "https://")),
+             f"--rm-url must be an http(s) URL, got {args.rm_url!r}")
+    _require(args.rm_timeout > 0, f"--rm-timeout must be > 0, got {args.rm_timeout}")
+    _require(args.rm_max_retries >= 0, f"--rm-max-retries must be >= 0, got {args.rm_max_retries}")
+    _require(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
+    _require(not args.group_rm or args.custom_rm_path, "--group-rm needs --custom-rm-path (a group reward function)")
+    from slime.utils.hooks import load_function
+
+    for flag in ("rollout_function_path", "custom_generate_function_path", "custom_rm_path", "data_source_path",
+                 "buffer_filter_path", "rollout_sample_filter_path", "eval_function_path"):
+        if getattr(args, flag):
+            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
+    args.custom_config = {}
+    if args.custom_config_path:
+        args.custom_config = _load_custom_config(args, args.custom_config_path)
+        for key, value in args.custom_config.items():
+            setattr(args, key, value)
+
+
+def _load_custom_config(args: Args, path: str) -> dict:
+    import yaml
+
+    _require(Path(path).is_file(), f"--custom-config-path: file {path} does not exist")
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SlimeConfigError(f"--custom-config-path {path}: not valid YAML ({e})") from None
+    _require(isinstance(config, dict), f"--custom-config-path {path}: must hold a mapping of names to values")
+    for key in config:
+        _require(isinstance(key, str) and key.isidentifier(),
+                 f"--custom-config-path {path}: key {key!r} is not a valid Python name")
+        _require(not hasattr(args, key),
+                 f"--custom-config-path {path}: key {key!r} is a slime flag or setting; set it on the command line")
+    return config
 
 
 def _validate_debug(args: Args) -> None:

@@ -44,6 +44,8 @@ class Sample:
     reward_dict: dict[str, Any] | None = None
     status: SampleStatus = SampleStatus.PENDING
     weight_version: int | None = None
+    # set by a --rollout-sample-filter-path function: the sample stays in the batch but trains on nothing
+    remove_sample: bool = False
 
     @property
     def prompt_length(self) -> int:
@@ -52,6 +54,31 @@ class Sample:
     @property
     def response_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length :]
+
+    # -- multi-turn: the response grows turn by turn, never re-tokenized --------------------
+    def append_model_tokens(self, token_ids: list[int], log_probs: list[float]) -> None:
+        """Tokens the policy generated: trained on (loss mask 1), with their rollout log-probs."""
+        if len(log_probs) != len(token_ids):
+            raise ValueError(f"{len(log_probs)} log-probs for {len(token_ids)} model tokens")
+        self._extend(token_ids, 1, [float(x) for x in log_probs])
+
+    def append_env_tokens(self, token_ids: list[int]) -> None:
+        """Tokens the environment wrote (tool results, user turns, chat-template glue): part of the
+        context the next turn sees, never trained on (loss mask 0; log-prob placeholder 0.0)."""
+        self._extend(token_ids, 0, [0.0] * len(token_ids))
+
+    def _extend(self, token_ids: list[int], mask: int, log_probs: list[float]) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = []
+        if self.rollout_log_probs is None:
+            self.rollout_log_probs = []
+        if len(self.loss_mask) != self.response_length or len(self.rollout_log_probs) != self.response_length:
+            raise ValueError("loss_mask/rollout_log_probs out of step with response_length")
+        ids = [int(t) for t in token_ids]
+        self.tokens = self.tokens + ids
+        self.response_length += len(ids)
+        self.loss_mask = self.loss_mask + [mask] * len(ids)
+        self.rollout_log_probs = self.rollout_log_probs + log_probs
 
 
 @dataclass

@@ -112,18 +112,17 @@ def test_custom_loss_and_custom_advantage_are_used_by_the_trainer(tiny_model_dir
 # ---------------------------------------------------------------- rollout hooks
 
 
-class _Prompt:
-    def __init__(self, i):
-        self.prompt, self.label, self.metadata, self.input_ids = f"p{i}", i, {}, [1, 2]
-
-
 class _Source:
-    def __init__(self):
-        self.next = 0
+    """A data source (the get_samples contract) whose prompt p has label p."""
 
-    def next_prompts(self, n):
-        out = [_Prompt(self.next + i) for i in range(n)]
-        self.next += n
+    def __init__(self, n_samples: int = 2):
+        self.next = 0
+        self.n_samples = n_samples
+
+    def get_samples(self, num_groups):
+        out = [[Sample(prompt=f"p{self.next + i}", label=self.next + i, tokens=[1, 2])
+                for _ in range(self.n_samples)] for i in range(num_groups)]
+        self.next += num_groups
         return out
 
 
@@ -133,7 +132,9 @@ def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
     import slime.rollout.manager as manager_mod
     from test_fsdp_trainer import make_args
 
-    async def fake_generate_all(args, engines, reward_fn, samples, rollout_id, evaluation, progress=None):
+    async def fake_generate_all(args, engines, reward, groups, rollout_id, evaluation, progress=None,
+                                generate_fn=None):
+        samples = [s for g in groups for s in g]
         if progress is not None:  # the real one's contract: (done, launched) counts
             progress[0] += len(samples)
             progress[1] += len(samples)
@@ -145,15 +146,17 @@ def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
             s.rollout_log_probs = [-1.0] * s.response_length
             s.reward = 1.0 if p % 2 == 0 or (p % 4 == 1 and s.index % args.n_samples_per_prompt == 0) else 0.0
             s.status = SampleStatus.COMPLETED
-        return samples
+        return groups
 
     monkeypatch.setattr(manager_mod, "_generate_all", fake_generate_all)
     tmp_path.mkdir(parents=True, exist_ok=True)
     args = make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2, *extra)
     m = manager_mod.RolloutManager(args)
-    m.data_source, m.engines, m.reward_fn = _Source(), None, None
+    m.data_source, m.engines, m.reward, m.generate_fn = _Source(), None, None, None
     m.dynamic_filter = m._hook("dynamic_sampling_filter_path")
     m.reward_post_process = m._hook("custom_reward_post_process_path")
+    m.sample_filter = m._hook("rollout_sample_filter_path")
+    m.rollout_fn = m._hook("rollout_function_path")
     return m
 
 
@@ -249,25 +252,29 @@ def test_overlong_filtering_masks_truncated_samples_and_counts_them(tiny_model_d
 
 def test_dict_rewards_need_reward_key_and_log_every_entry():
     import asyncio
+    from types import SimpleNamespace
 
     from slime.rollout.generate import score
     from slime.rollout.manager import RolloutManager
+    from slime.rollout.rewards import RewardFunction
 
-    def rm(response, label):
-        return {"acc": float(response == label), "format": 0.5}
+    rm = RewardFunction(lambda args, s: {"acc": float(s.response == s.label), "format": 0.5})
+
+    def args(key=None):
+        return SimpleNamespace(rm_timeout=5.0, reward_key=key)
 
     def sample(response, label):
         return Sample(response=response, label=label, index=0, status=SampleStatus.COMPLETED)
 
-    s = asyncio.run(score(rm, sample("1", "1"), "acc"))
+    s = asyncio.run(score(rm, args("acc"), sample("1", "1")))
     assert s.reward == 1.0 and s.reward_dict == {"acc": 1.0, "format": 0.5} and s.status == SampleStatus.COMPLETED
     with pytest.raises(SlimeConfigError, match=r"returned a dict \(keys \['acc', 'format'\]\); pass --reward-key"):
-        asyncio.run(score(rm, sample("1", "1")))
+        asyncio.run(score(rm, args(), sample("1", "1")))
     with pytest.raises(SlimeConfigError, match="--reward-key 'score': the reward function returned a dict without it"):
-        asyncio.run(score(rm, sample("1", "1"), "score"))
-    plain = asyncio.run(score(lambda r, l: 1, sample("1", "1"), "acc"))  # a float reward ignores the key
+        asyncio.run(score(rm, args("score"), sample("1", "1")))
+    plain = asyncio.run(score(RewardFunction(lambda a, s: 1), args("acc"), sample("1", "1")))  # a float ignores the key
     assert plain.reward == 1.0 and plain.reward_dict is None
-    samples = [asyncio.run(score(rm, sample(r, "1"), "acc")) for r in ("1", "2", "1", "0")]
+    samples = [asyncio.run(score(rm, args("acc"), sample(r, "1"))) for r in ("1", "2", "1", "0")]
     for i, x in enumerate(samples):
         x.group_index, x.response_length = i // 2, 1
     metrics = RolloutManager._rollout_metrics(samples)

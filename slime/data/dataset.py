@@ -58,15 +58,32 @@ def _rows(path: Path) -> Iterator[tuple[str, dict]]:
             yield where, row
 
 
+def split_slice(spec: str) -> tuple[Path, slice]:
+    """`data.jsonl@[10:100]` -> (Path("data.jsonl"), slice(10, 100)); a plain path -> all rows."""
+    path, at, rest = spec.rpartition("@")
+    if not at or not (rest.startswith("[") and rest.endswith("]")):
+        return Path(spec), slice(None)
+    bounds = rest[1:-1].split(":")
+    try:
+        if len(bounds) != 2:
+            raise ValueError
+        start, end = (int(b) if b.strip() else None for b in bounds)
+    except ValueError:
+        raise DataError(f"{spec}: bad row slice {rest!r} (use path@[start:end], e.g. data.jsonl@[0:100])") from None
+    return Path(path), slice(start, end)
+
+
 def count_rows(path: str | Path) -> int:
-    """Number of rows in a prompt file, without tokenizing."""
-    path = Path(path)
+    """Number of rows in a prompt file (after its `@[start:end]` slice), without tokenizing."""
+    path, rows = split_slice(str(path))
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for line in f if line.strip())
+        n = pq.ParquetFile(path).metadata.num_rows
+    else:
+        with open(path, encoding="utf-8") as f:
+            n = sum(1 for line in f if line.strip())
+    return len(range(n)[rows])
 
 
 def _check_messages(where: str, key: str, messages: list) -> None:
@@ -77,11 +94,13 @@ def _check_messages(where: str, key: str, messages: list) -> None:
             )
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> str:
-    """The text the model continues: the chat template's rendering, or the raw string."""
+def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool, tools: list | None = None) -> str:
+    """The text the model continues: the chat template's rendering (with the row's tool schemas,
+    `--tool-key`, when it has them), or the raw string."""
     if apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert isinstance(prompt, str)
     return prompt
 
@@ -94,14 +113,20 @@ def load_prompts(
     metadata_key: str | None = "metadata",
     apply_chat_template: bool = False,
     max_prompt_len: int | None = None,
+    tool_key: str | None = None,
 ) -> list[Prompt]:
-    """Read and tokenize every row; prompts over `max_prompt_len` tokens are dropped with a counted warning."""
-    path = Path(path)
+    """Read and tokenize every row; prompts over `max_prompt_len` tokens are dropped with a counted warning.
+
+    `path` may end in a row slice, `data.jsonl@[start:end]` (Python slice bounds, either may be
+    omitted or negative), to use part of a file. A row's `tool_key` field (a list of tool schemas)
+    goes to the chat template and into the sample's metadata as `tools`.
+    """
+    path, rows = split_slice(str(path))
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
     prompts: list[Prompt] = []
     too_long = 0
-    for where, row in _rows(path):
+    for where, row in list(_rows(path))[rows]:
         if input_key not in row:
             raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
         prompt = row[input_key]
@@ -121,7 +146,15 @@ def load_prompts(
             metadata = {}
         if not isinstance(metadata, dict):
             raise DataError(f"{where}: field {metadata_key!r} (--metadata-key) must be an object")
-        text = render_prompt(tokenizer, prompt, apply_chat_template)
+        tools = None
+        if tool_key is not None and row.get(tool_key) is not None:
+            tools = row[tool_key]
+            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise DataError(f"{where}: field {tool_key!r} (--tool-key) must be a list of tool schemas (objects)")
+            if not apply_chat_template:
+                raise DataError(f"{where}: field {tool_key!r} (--tool-key) needs --apply-chat-template")
+            metadata = {**metadata, "tools": tools}
+        text = render_prompt(tokenizer, prompt, apply_chat_template, tools)
         input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not input_ids:
             raise DataError(f"{where}: field {input_key!r} is empty after tokenization")

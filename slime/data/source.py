@@ -57,3 +57,80 @@ class DataSource:
             )
         self.epoch, self.offset = state["epoch"], state["offset"]
         self._order = self._epoch_order(self.epoch)
+
+
+class RolloutDataSource:
+    """The built-in rollout data source: prompts from `--prompt-data`, handed out as groups of
+    `n_samples_per_prompt` Samples, plus a buffer of groups given back with `add_samples`
+    (custom code, or aborted groups of a partial rollout) that is served first.
+
+    A `--data-source-path` class replaces it and implements the same four methods:
+    `get_samples(num_groups) -> list[list[Sample]]`, `add_samples(groups)`, `state_dict()`,
+    `load_state_dict(state)` (and `__len__` = number of prompts, when it has one, for --num-epoch).
+    """
+
+    def __init__(self, args, prompts: list[Prompt] | None = None):
+        from transformers import AutoTokenizer
+
+        from slime.data.dataset import load_prompts
+
+        self.args = args
+        if prompts is None:
+            tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+            prompts = load_prompts(args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
+                                   args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key)
+        self.prompts = DataSource(prompts, shuffle=args.rollout_shuffle, seed=args.rollout_seed)
+        self.buffer: list[list] = []
+        self.buffer_filter = None
+        if args.buffer_filter_path:
+            from slime.utils.hooks import load_function
+
+            self.buffer_filter = load_function(args.buffer_filter_path, "--buffer-filter-path")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def get_samples(self, num_groups: int) -> list[list]:
+        groups = self._pop_buffer(num_groups)
+        n = self.args.n_samples_per_prompt
+        for p in self.prompts.next_prompts(num_groups - len(groups)):
+            groups.append([prompt_sample(p) for _ in range(n)])
+        return groups
+
+    def _pop_buffer(self, num_groups: int) -> list[list]:
+        if not self.buffer:
+            return []
+        if self.buffer_filter is None:  # first in, first out
+            taken, self.buffer = self.buffer[:num_groups], self.buffer[num_groups:]
+            return taken
+        taken = list(self.buffer_filter(self.args, self.buffer, num_groups))
+        if len(taken) > num_groups:
+            raise ValueError(f"--buffer-filter-path returned {len(taken)} groups, more than the {num_groups} asked for")
+        ids = {id(g) for g in taken}
+        self.buffer = [g for g in self.buffer if id(g) not in ids]
+        return taken
+
+    def add_samples(self, groups: list[list]) -> None:
+        for g in groups:
+            if not isinstance(g, list) or not g:
+                raise ValueError("add_samples takes a list of groups, each a non-empty list of Samples")
+        self.buffer.extend(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**self.prompts.state_dict(), "buffer": [[asdict(s) for s in g] for g in self.buffer]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from slime.types import Sample, SampleStatus
+
+        self.prompts.load_state_dict(state)
+        self.buffer = [[Sample(**{**s, "status": SampleStatus(s["status"])}) for s in g]
+                       for g in state.get("buffer", [])]
+
+
+def prompt_sample(p: Prompt):
+    """A fresh Sample for prompt `p` (index and group index are set by the rollout manager)."""
+    from slime.types import Sample
+
+    return Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), tokens=list(p.input_ids))

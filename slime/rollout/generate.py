@@ -11,12 +11,12 @@ import hashlib
 import logging
 
 from slime.engines.router import EnginePool
+from slime.rollout.api import continue_sample
+from slime.rollout.rewards import RewardFunction
 from slime.types import Sample, SampleStatus
 from slime.utils.errors import SlimeConfigError
 
 logger = logging.getLogger(__name__)
-
-REWARD_TIMEOUT_S = 60.0
 
 
 def sampling_params(args, evaluation: bool = False) -> dict:
@@ -43,24 +43,8 @@ def sample_seed(seed: int, rollout_id: int, index: int, evaluation: bool = False
 
 async def generate(engines: EnginePool, sample: Sample, params: dict) -> Sample:
     """Continue `sample.tokens` (the prompt) with one engine call and fill in the response."""
-    out = await engines.generate({"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True})
-    meta = out["meta_info"]
-    output_ids = list(out["output_ids"])
-    sample.tokens = sample.tokens + output_ids
-    sample.response = out["text"]
-    sample.response_length = len(output_ids)
-    sample.loss_mask = [1] * len(output_ids)
-    sample.rollout_log_probs = [float(lp[0]) for lp in meta.get("output_token_logprobs", [])]
-    if len(sample.rollout_log_probs) != len(output_ids):
-        raise RuntimeError(
-            f"engine returned {len(sample.rollout_log_probs)} log-probs for {len(output_ids)} tokens"
-        )
-    finish = meta["finish_reason"]["type"]
-    sample.status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(
-        finish, SampleStatus.COMPLETED
-    )
-    version = meta.get("weight_version")
-    sample.weight_version = int(version) if version is not None and str(version).isdigit() else None
+    out = await continue_sample(sample, params, engines)
+    sample.response = out.text
     return sample
 
 
@@ -81,23 +65,41 @@ def scalar_reward(reward, reward_key: str | None):
     return reward[reward_key], reward
 
 
-async def score(reward_fn, sample: Sample, reward_key: str | None = None) -> Sample:
-    """Reward the sample; a reward function that raises, times out or returns NaN marks it FAILED.
-    A dict reward is kept in `sample.reward_dict` and its `reward_key` entry becomes `sample.reward`."""
+async def score(reward: RewardFunction, args, sample: Sample) -> Sample:
+    """Reward one sample; a reward function that raises, times out (`--rm-timeout`) or returns NaN
+    marks it FAILED. A dict reward is kept in `sample.reward_dict` and its `--reward-key` entry
+    becomes `sample.reward`."""
     try:
-        reward = await asyncio.wait_for(
-            asyncio.to_thread(reward_fn, sample.response, sample.label), timeout=REWARD_TIMEOUT_S
-        )
+        value = await asyncio.wait_for(reward(args, sample), timeout=args.rm_timeout)
     except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
         return _failed(sample, e)
-    reward, sample.reward_dict = scalar_reward(reward, reward_key)
+    return _set_reward(sample, value, args.reward_key)
+
+
+async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> list[Sample]:
+    """Reward a whole group with one call (`--group-rm`); it must return one value per sample. A
+    call that fails marks every sample of the group FAILED; a NaN marks its own sample only."""
     try:
-        reward = float(reward)
-        if reward != reward:
+        values = await asyncio.wait_for(reward(args, samples), timeout=args.rm_timeout)
+        values = list(values)
+        if len(values) != len(samples):
+            raise ValueError(f"the group reward returned {len(values)} values for {len(samples)} samples")
+    except SlimeConfigError:
+        raise
+    except Exception as e:
+        return [_failed(s, e) for s in samples]
+    return [_set_reward(s, v, args.reward_key) for s, v in zip(samples, values)]
+
+
+def _set_reward(sample: Sample, value, reward_key: str | None) -> Sample:
+    value, sample.reward_dict = scalar_reward(value, reward_key)
+    try:
+        value = float(value)
+        if value != value:
             raise ValueError("reward is NaN")
-        sample.reward = reward
     except Exception as e:
         return _failed(sample, e)
+    sample.reward = value
     return sample
 
 
@@ -106,9 +108,3 @@ def _failed(sample: Sample, e: Exception) -> Sample:
     sample.reward = None
     sample.status = SampleStatus.FAILED
     return sample
-
-
-async def generate_and_rm(engines: EnginePool, sample: Sample, params: dict, reward_fn,
-                          reward_key: str | None = None) -> Sample:
-    sample = await generate(engines, sample, params)
-    return await score(reward_fn, sample, reward_key)

@@ -18,6 +18,8 @@ conversations of the chat data, masked to their assistant turns (`slime.rollout.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import math
 import statistics
 import threading
 import time
@@ -27,35 +29,71 @@ import torch
 
 from slime.algorithms.advantages import overlong_penalty, post_process_rewards
 from slime.data.dataset import load_prompts
-from slime.data.source import DataSource
+from slime.data.source import DataSource, RolloutDataSource, prompt_sample
 from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
 from slime.rollout import debug_data, sft
-from slime.rollout.generate import generate_and_rm, sample_seed, sampling_params
+from slime.rollout import api
+from slime.rollout.generate import generate, sample_seed, sampling_params, score, score_group
 from slime.rollout.filters import as_filter_output
-from slime.rollout.rewards import get_reward_function
+from slime.rollout.rewards import build_reward
 from slime.types import RolloutBatch, Sample, SampleStatus
 
 
-async def _generate_all(args, engines, reward_fn, samples: list[Sample], rollout_id: int, evaluation: bool,
-                        progress: list[int] | None = None):
-    """Generate and score every sample concurrently; each request gets its own sampling seed
+async def _generate_all(args, engines, reward, groups: list[list[Sample]], rollout_id: int, evaluation: bool,
+                        progress: list[int] | None = None, generate_fn=None) -> list[list[Sample]]:
+    """Generate and score every group concurrently; each request gets its own sampling seed
     (`sampling_seed`, SGLang's name; the native engine takes it too).
+
+    `generate_fn` is `--custom-generate-function-path` (`async fn(args, sample, sampling_params)`
+    returning a Sample or a list of Samples, which keep the group's index) or the default single
+    `/generate` call. A per-sample reward scores each sample as soon as it is generated; a group
+    reward (`--group-rm`) scores the group once all of it is generated.
 
     (A module function: a coroutine method would make Ray run the manager as an async actor.)
     """
     base = sampling_params(args, evaluation=evaluation)
     if progress is not None:
-        progress[1] += len(samples)
+        progress[1] += sum(len(g) for g in groups)
 
-    async def one(s: Sample) -> Sample:
+    async def one(s: Sample) -> list[Sample]:
         params = dict(base, sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation))
-        out = await generate_and_rm(engines, s, params, reward_fn, args.reward_key)
+        if generate_fn is None:
+            out = [await generate(engines, s, params)]
+        else:
+            out = await generate_fn(args, s, params)
+            out = list(out) if isinstance(out, (list, tuple)) else [out]
+            if not out or not all(isinstance(x, Sample) for x in out):
+                raise TypeError(f"--custom-generate-function-path returned {out!r}; expected a Sample or a "
+                                "non-empty list of Samples")
+            for x in out:
+                x.group_index = s.group_index
+        if not reward.group:
+            out = [await score(reward, args, x) for x in out]
         if progress is not None:
             progress[0] += 1
         return out
 
-    return await asyncio.gather(*(one(s) for s in samples))
+    async def group(g: list[Sample]) -> list[Sample]:
+        samples = [x for out in await asyncio.gather(*(one(s) for s in g)) for x in out]
+        return await score_group(reward, args, samples) if reward.group else samples
+
+    return list(await asyncio.gather(*(group(g) for g in groups)))
+
+
+def number_samples(groups: list[list[Sample]], first_group: int = 0) -> None:
+    """Give the groups consecutive group indices (from `first_group`) and their samples unique
+    indices (group * n + j), which also fix each sample's sampling seed."""
+    for g, group in enumerate(groups, start=first_group):
+        for j, s in enumerate(group):
+            s.group_index, s.index = g, g * len(group) + j
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with c passing samples out of n (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class RolloutManager:
@@ -86,14 +124,25 @@ class RolloutManager:
         def load(path):
             return load_prompts(
                 path, tokenizer, args.input_key, args.label_key, args.metadata_key,
-                args.apply_chat_template, args.rollout_max_prompt_len,
+                args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,
             )
 
-        self.data_source = DataSource(load(args.prompt_data), shuffle=args.rollout_shuffle, seed=args.rollout_seed)
+        # custom code may ask for the tokenizer and config before the engines are up
+        api.set_context(api.RolloutContext(args, tokenizer, None, "", args.custom_config))
+        if args.data_source_path:
+            self.data_source = self._hook("data_source_path")(args)
+        elif args.prompt_data is not None:
+            self.data_source = RolloutDataSource(args, load(args.prompt_data))
+        else:  # --rollout-function-path brings its own data
+            self.data_source = None
         self.eval_sets = {name: load(path) for name, path in args.eval_sets.items()}
-        self.reward_fn = get_reward_function(args.rm_type)
+        self.reward = build_reward(args)
         self.dynamic_filter = self._hook("dynamic_sampling_filter_path")
         self.reward_post_process = self._hook("custom_reward_post_process_path")
+        self.rollout_fn = self._hook("rollout_function_path")
+        self.generate_fn = self._hook("custom_generate_function_path")
+        self.sample_filter = self._hook("rollout_sample_filter_path")
+        self.eval_fn = self._hook("eval_function_path")
 
         server_cls = ray.remote(num_cpus=0)(EngineServer)
         for rank in range(args.num_engines):
@@ -104,6 +153,8 @@ class RolloutManager:
         self.urls = ray.get([s.start.remote() for s in self.servers])
         # --debug-train-only replays saved rollouts and starts no engines
         self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout) if self.urls else None
+        api.set_context(api.RolloutContext(args, tokenizer, self.engines, self.urls[0] if self.urls else "",
+                                           args.custom_config, loop=self._loop))
         return self.urls
 
     def _hook(self, flag: str):
@@ -121,27 +172,21 @@ class RolloutManager:
         return len(self.data_source)
 
     # ------------------------------------------------------------------ rollout
-    def _make_samples(self, prompts, n: int, first_group: int = 0) -> list[Sample]:
-        return [
-            Sample(
-                prompt=p.prompt, label=p.label, metadata=dict(p.metadata),
-                index=g * n + j, group_index=g, tokens=list(p.input_ids),
-            )
-            for g, p in enumerate(prompts, start=first_group)
-            for j in range(n)
-        ]
-
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
         self._progress = [0, 0]
         if args.loss_type == "sft_loss":
             return self._sft_batch()
         start = time.perf_counter()
+        metrics: dict[str, float] = {}
         if args.load_debug_rollout_data:  # replay a saved rollout instead of generating
             samples = generated = debug_data.load_samples(args.load_debug_rollout_data, rollout_id)
-            metrics = {}
+        elif self.rollout_fn is not None:
+            groups = self._call(self.rollout_fn, args, rollout_id, self.data_source, evaluation=False)
+            samples = generated = self._check_groups(groups, "--rollout-function-path")
         else:
             samples, generated, metrics = self._sample_groups(rollout_id)
+        samples = self._fit_batch(samples, metrics)
         if args.save_debug_rollout_data:
             debug_data.save_samples(args.save_debug_rollout_data, rollout_id, samples)
         elapsed = time.perf_counter() - start
@@ -152,30 +197,62 @@ class RolloutManager:
             metrics["rollout/overlong_penalty"] = statistics.fmean(self._overlong(samples).tolist())
         if args.mask_truncated_samples:
             metrics["rollout/overlong_filtered"] = float(sum(s.status == SampleStatus.TRUNCATED for s in samples))
+        if self.sample_filter is not None:
+            metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
         metrics["perf/rollout_time"] = elapsed
         metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in generated) / max(elapsed, 1e-9)
         return refs, metrics
 
+    def _call(self, fn, *a, **kw):
+        """Call a user function that may be sync or async (async ones run on the rollout loop)."""
+        out = fn(*a, **kw)
+        return self._run(out) if inspect.isawaitable(out) else out
+
+    @staticmethod
+    def _check_groups(groups, flag: str) -> list[Sample]:
+        if not isinstance(groups, (list, tuple)) or not all(
+                isinstance(g, (list, tuple)) and g and all(isinstance(s, Sample) for s in g) for g in groups):
+            raise TypeError(f"{flag} must return a list of groups, each a non-empty list of Samples")
+        samples = [s for g in groups for s in g]
+        if any(s.group_index < 0 for s in samples):
+            number_samples([list(g) for g in groups])
+        return samples
+
+    def _fit_batch(self, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
+        """The trainer takes exactly rollout_batch_size * n_samples_per_prompt samples. A custom
+        generate function that returns several samples per call makes more: the extra ones at the
+        end are dropped (counted in rollout/dropped_samples); fewer is an error."""
+        want = self.args.rollout_batch_size * self.args.n_samples_per_prompt
+        if len(samples) < want:
+            raise ValueError(f"the rollout produced {len(samples)} samples, fewer than rollout_batch_size * "
+                             f"n_samples_per_prompt = {want}")
+        if len(samples) > want:
+            metrics["rollout/dropped_samples"] = float(len(samples) - want)
+        return samples[:want]
+
+    def _generate_groups(self, groups: list[list[Sample]], rollout_id: int, evaluation: bool) -> list[list[Sample]]:
+        return self._run(_generate_all(self.args, self.engines, self.reward, groups, rollout_id, evaluation,
+                                       self._progress, self.generate_fn))
+
     def _sample_groups(self, rollout_id: int) -> tuple[list[Sample], list[Sample], dict[str, float]]:
         """`rollout_batch_size` groups of scored samples: every group when there is no filter, else
         those the dynamic-sampling filter keeps, launching rounds of `over_sampling_batch_size`
-        prompts (each round generated concurrently). Returns (kept samples in group order,
-        every generated sample, filter metrics)."""
-        args, n, target = self.args, self.args.n_samples_per_prompt, self.args.rollout_batch_size
+        prompts (each round generated concurrently). Then `--rollout-sample-filter-path` marks
+        samples to keep out of the loss. Returns (kept samples in group order, every generated
+        sample, filter metrics)."""
+        args, target = self.args, self.args.rollout_batch_size
         kept: list[list[Sample]] = []
         dropped: list[list[Sample]] = []
         generated: list[Sample] = []
         drops: dict[str, int] = {}
         rounds = 0
         while len(kept) < target and rounds < args.dynamic_sampling_max_rounds:
-            prompts = self.data_source.next_prompts(args.over_sampling_batch_size)
-            samples = self._make_samples(prompts, n, first_group=rounds * args.over_sampling_batch_size)
-            samples = self._run(_generate_all(args, self.engines, self.reward_fn, samples, rollout_id, False,
-                                                    self._progress))
-            generated.extend(samples)
+            groups = self.data_source.get_samples(args.over_sampling_batch_size)
+            number_samples(groups, first_group=rounds * args.over_sampling_batch_size)
+            groups = self._generate_groups(groups, rollout_id, False)
+            generated.extend(s for g in groups for s in g)
             rounds += 1
-            for g in range(len(prompts)):
-                group = samples[g * n : (g + 1) * n]
+            for group in groups:
                 out = as_filter_output(self.dynamic_filter(args, group)) if self.dynamic_filter else None
                 if out is None or out.keep:
                     kept.append(group)
@@ -184,6 +261,8 @@ class RolloutManager:
                     drops[out.reason or "filtered"] = drops.get(out.reason or "filtered", 0) + 1
         fallback = max(0, target - len(kept))
         kept = sorted(kept[:target] + dropped[:fallback], key=lambda grp: grp[0].group_index)
+        if self.sample_filter is not None:
+            self.sample_filter(args, kept)
         metrics: dict[str, float] = {}
         if self.dynamic_filter is not None:
             metrics = {f"rollout/dynamic_filter/drop_{k}": float(v) for k, v in drops.items()}
@@ -240,9 +319,11 @@ class RolloutManager:
         }
 
     def _loss_mask(self, s: Sample) -> list[int]:
-        """A sample whose reward failed trains on nothing; nor, with --mask-truncated-samples (DAPO
-        overlong filtering), does one cut off at the length limit."""
-        if s.status == SampleStatus.FAILED or (self.args.mask_truncated_samples and s.status == SampleStatus.TRUNCATED):
+        """A sample whose reward failed trains on nothing; nor does one a --rollout-sample-filter-path
+        function removed, nor, with --mask-truncated-samples (DAPO overlong filtering), one cut off
+        at the length limit."""
+        if s.status == SampleStatus.FAILED or s.remove_sample or (
+                self.args.mask_truncated_samples and s.status == SampleStatus.TRUNCATED):
             return [0] * s.response_length
         return s.loss_mask
 
@@ -285,26 +366,43 @@ class RolloutManager:
 
     # --------------------------------------------------------------- evaluation
     def eval(self, rollout_id: int) -> dict[str, float]:
-        """Score every eval set with the current engine weights: `eval/<name>` is the mean reward."""
+        """Score every eval set with the current engine weights (or call --eval-function-path).
+
+        Per set: `eval/<name>` (mean reward), `eval/<name>/pass@k` for k = 1, 2, 4, ... up to
+        --n-samples-per-eval-prompt (a sample passes when its reward is > 0), response length,
+        truncation ratio and reward failures."""
         self._progress = [0, 0]
+        if self.eval_fn is not None:
+            metrics = self._call(self.eval_fn, self.args, rollout_id)
+            return {(k if k.startswith("eval/") else f"eval/{k}"): float(v) for k, v in metrics.items()}
         metrics: dict[str, float] = {}
+        n = self.args.n_samples_per_eval_prompt
         for name, prompts in self.eval_sets.items():
             start = time.perf_counter()
-            samples = self._make_samples(prompts, self.args.n_samples_per_eval_prompt)
-            samples = self._run(_generate_all(self.args, self.engines, self.reward_fn, samples, rollout_id, True,
-                                                    self._progress))
+            groups = [[prompt_sample(p) for _ in range(n)] for p in prompts]
+            number_samples(groups)
+            groups = self._generate_groups(groups, rollout_id, True)
+            samples = [s for g in groups for s in g]
             metrics[f"eval/{name}"] = statistics.fmean(s.reward if s.reward is not None else 0.0 for s in samples)
+            k = 1
+            while k <= n:
+                metrics[f"eval/{name}/pass@{k}"] = statistics.fmean(
+                    pass_at_k(len(g), sum(s.reward is not None and s.reward > 0 for s in g), k) for g in groups)
+                k *= 2
             metrics[f"eval/{name}/response_len/mean"] = statistics.fmean(s.response_length for s in samples)
+            metrics[f"eval/{name}/truncated_ratio"] = statistics.fmean(
+                s.status == SampleStatus.TRUNCATED for s in samples)
             metrics[f"eval/{name}/reward_failures"] = float(sum(s.reward is None for s in samples))
             metrics[f"perf/eval_time/{name}"] = time.perf_counter() - start
         return metrics
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"data_source": self.data_source.state_dict()}
+        return {"data_source": self.data_source.state_dict() if self.data_source is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.data_source.load_state_dict(state["data_source"])
+        if self.data_source is not None and state.get("data_source") is not None:
+            self.data_source.load_state_dict(state["data_source"])
 
     def shutdown(self) -> None:
         if getattr(self, "engines", None) is not None:

@@ -1,0 +1,112 @@
+"""What custom rollout code gets: the run's context and token-in/token-out engine calls.
+
+Custom functions (`--custom-generate-function-path`, `--custom-rm-path`,
+`--rollout-function-path`, `--eval-function-path`, `--data-source-path`; signatures in
+docs/custom_rollout.md) run inside the RolloutManager process. There they reach the engines
+through the router with token ids in and token ids out:
+
+    from slime.rollout.api import context, generate_tokens, continue_sample
+
+    async def generate(args, sample, sampling_params):
+        out = await continue_sample(sample, sampling_params)   # model tokens appended, mask 1
+        ...
+        sample.append_env_tokens(tool_ids)                       # tool tokens, mask 0
+
+`context()` holds the args, the tokenizer, the engine pool, the OpenAI-compatible base URL
+(for agent code using the `openai` client) and the `--custom-config-path` values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.types import Sample, SampleStatus
+
+
+@dataclass
+class EngineOutput:
+    """One engine call's result: the generated token ids, their log-probs and why it stopped."""
+
+    output_ids: list[int]
+    text: str
+    log_probs: list[float]
+    finish_reason: str  # "stop", "length" or "abort"
+    weight_version: int | None = None
+    prompt_tokens: int = 0
+
+
+@dataclass
+class RolloutContext:
+    args: Any
+    tokenizer: Any
+    engines: Any  # slime.engines.router.EnginePool (or the router in front of the engines)
+    base_url: str  # the URL generation goes to; OpenAI clients use base_url + "/v1"
+    custom_config: dict[str, Any] = field(default_factory=dict)
+    loop: Any = None  # the rollout's event loop (the engine clients live on it)
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url.rstrip("/") + "/v1"
+
+    def run(self, coro):
+        """Run a coroutine on the rollout's event loop from synchronous custom code (e.g. a sync
+        `--rollout-function-path` function calling `generate_tokens`) and return its result."""
+        if self.loop is None:
+            raise RuntimeError("no rollout event loop yet (the engines are not up)")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+_CONTEXT: RolloutContext | None = None
+
+
+def set_context(ctx: RolloutContext | None) -> None:
+    """Called by the RolloutManager once its engines are up."""
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def context() -> RolloutContext:
+    if _CONTEXT is None:
+        raise RuntimeError("slime.rollout.api.context() is only available inside a rollout "
+                           "(the RolloutManager sets it once the engines are up)")
+    return _CONTEXT
+
+
+def parse_engine_output(out: dict) -> EngineOutput:
+    """An SGLang-native `/generate` response -> EngineOutput (checks log-probs match the tokens)."""
+    meta = out["meta_info"]
+    output_ids = [int(t) for t in out["output_ids"]]
+    log_probs = [float(lp[0]) for lp in meta.get("output_token_logprobs", [])]
+    if len(log_probs) != len(output_ids):
+        raise RuntimeError(f"engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
+    version = meta.get("weight_version")
+    return EngineOutput(
+        output_ids=output_ids, text=out.get("text", ""), log_probs=log_probs,
+        finish_reason=meta["finish_reason"]["type"],
+        weight_version=int(version) if version is not None and str(version).isdigit() else None,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=None) -> EngineOutput:
+    """Continue `input_ids` with one `/generate` call through the router (token ids in and out)."""
+    engines = engines if engines is not None else context().engines
+    out = await engines.generate({"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                  "return_logprob": True})
+    return parse_engine_output(out)
+
+
+STATUS_OF_FINISH = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+async def continue_sample(sample: Sample, sampling_params: dict, engines=None) -> EngineOutput:
+    """Generate from everything the sample holds so far (prompt and earlier turns), append the new
+    tokens as model tokens (loss mask 1, log-probs kept) and set the sample's status and weight
+    version from this call. Returns the call's output (its `text` is this turn's text)."""
+    out = await generate_tokens(sample.tokens, sampling_params, engines)
+    sample.append_model_tokens(out.output_ids, out.log_probs)
+    sample.status = STATUS_OF_FINISH.get(out.finish_reason, SampleStatus.COMPLETED)
+    sample.weight_version = out.weight_version
+    return out
