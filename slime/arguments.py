@@ -153,6 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-turns", type=int, default=8,
                    help="most model turns of a multi-turn episode (slime.rollout.multiturn)")
 
+    g = p.add_argument_group("asynchronous training (train_async.py)")
+    g.add_argument("--update-weights-interval", type=int, default=1,
+                   help="push weights to the engines every N rollouts (train_async.py)")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="with over-sampling: groups still generating when enough are done are aborted and "
+                        "continue in the next rollout instead of being thrown away")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="a resumed partial response trains only on the tokens generated after it resumed")
+    g.add_argument("--max-staleness", type=int, default=None,
+                   help="most policy versions a sample's oldest token may lag the trainer; older partial "
+                        "samples are regenerated, older finished groups dropped")
+    g.add_argument("--fully-async", action="store_true",
+                   help="train_async.py: a background loop keeps --async-groups-in-flight groups generating "
+                        "across rollout boundaries; weights change under requests in flight (paused, updated, "
+                        "continued)")
+    g.add_argument("--async-groups-in-flight", type=int, default=None,
+                   help="groups kept generating by --fully-async (default: --over-sampling-batch-size)")
+
     g = p.add_argument_group("engines")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="native",
                    help="native: the embedded PyTorch engine; sglang: sglang.launch_server (--sglang-* "
@@ -442,6 +460,7 @@ def validate(args: Args) -> Args:
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     _validate_algorithm(args)
+    _validate_async(args)
     _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
 
@@ -470,6 +489,26 @@ def _data_file(spec: str) -> Path:
     from slime.data.dataset import split_slice
 
     return split_slice(spec)[0]
+
+
+def _validate_async(args: Args) -> None:
+    _require(args.update_weights_interval >= 1, f"--update-weights-interval must be >= 1, got {args.update_weights_interval}")
+    _require(args.max_staleness is None or args.max_staleness >= 0, f"--max-staleness must be >= 0, got {args.max_staleness}")
+    _require(not args.mask_offpolicy_in_partial_rollout or args.partial_rollout,
+             "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    _require(not args.partial_rollout or args.over_sampling_batch_size > args.rollout_batch_size
+             or args.dynamic_sampling_filter_path,
+             "--partial-rollout needs --over-sampling-batch-size > --rollout-batch-size (or a dynamic sampling "
+             "filter): otherwise every launched group is used and nothing is ever aborted")
+    _require(not (args.partial_rollout and args.rollout_function_path),
+             "--partial-rollout is part of the built-in rollout; a --rollout-function-path replaces it")
+    if args.async_groups_in_flight is None:
+        args.async_groups_in_flight = args.over_sampling_batch_size
+    _require(args.async_groups_in_flight >= 1, "--async-groups-in-flight must be >= 1")
+    _require(not (args.fully_async and args.partial_rollout),
+             "--fully-async keeps generating across rollouts; --partial-rollout (abort and resume) does not apply")
+    _require(not (args.fully_async and args.rollout_function_path),
+             "--fully-async is part of the built-in rollout; a --rollout-function-path replaces it")
 
 
 def _validate_custom_rollout(args: Args) -> None:

@@ -43,13 +43,29 @@ class Sample:
     # a dict reward as the reward function returned it; `reward` is then its --reward-key entry
     reward_dict: dict[str, Any] | None = None
     status: SampleStatus = SampleStatus.PENDING
-    weight_version: int | None = None
+    weight_version: int | None = None  # the policy version that wrote the last response token
+    # every policy version that wrote part of the response, oldest first (several after a partial
+    # rollout resumes the sample, or when weights change under a request in fully async rollout)
+    weight_versions: list[int] = field(default_factory=list)
     # set by a --rollout-sample-filter-path function: the sample stays in the batch but trains on nothing
     remove_sample: bool = False
 
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    def staleness(self, policy_version: int) -> int:
+        """Policy versions between the oldest weights that wrote this response and `policy_version`."""
+        return policy_version - min(self.weight_versions) if self.weight_versions else 0
+
+    def reset_response(self) -> None:
+        """Drop the response (back to the bare prompt), e.g. to regenerate a sample that is too stale."""
+        self.tokens = self.tokens[: self.prompt_length]
+        self.response, self.response_length = "", 0
+        self.loss_mask = self.rollout_log_probs = None
+        self.reward = self.reward_dict = None
+        self.status = SampleStatus.PENDING
+        self.weight_version, self.weight_versions = None, []
 
     @property
     def response_tokens(self) -> list[int]:

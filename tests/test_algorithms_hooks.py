@@ -133,7 +133,7 @@ def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
     from test_fsdp_trainer import make_args
 
     async def fake_generate_all(args, engines, reward, groups, rollout_id, evaluation, progress=None,
-                                generate_fn=None):
+                                generate_fn=None, version_now=None):
         samples = [s for g in groups for s in g]
         if progress is not None:  # the real one's contract: (done, launched) counts
             progress[0] += len(samples)

@@ -276,7 +276,7 @@ def _fake_manager(tiny_model_dir, tmp_path, monkeypatch, *extra, data=None, rewa
     import slime.rollout.manager as manager_mod
 
     async def fake_generate_all(args, engines, reward, groups, rollout_id, evaluation, progress=None,
-                                generate_fn=None):
+                                generate_fn=None, version_now=None):
         for g in groups:
             for j, s in enumerate(g):
                 s.append_model_tokens([5, 6], [-0.5, -0.5])

@@ -109,4 +109,6 @@ async def continue_sample(sample: Sample, sampling_params: dict, engines=None) -
     sample.append_model_tokens(out.output_ids, out.log_probs)
     sample.status = STATUS_OF_FINISH.get(out.finish_reason, SampleStatus.COMPLETED)
     sample.weight_version = out.weight_version
+    if out.weight_version is not None and (not sample.weight_versions or sample.weight_versions[-1] != out.weight_version):
+        sample.weight_versions = sample.weight_versions + [out.weight_version]
     return out

@@ -34,16 +34,17 @@ from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
 from slime.rollout import debug_data, sft
 from slime.rollout import api
-from slime.rollout.generate import generate, sample_seed, sampling_params, score, score_group
+from slime.rollout.group_generation import FullyAsyncGenerator, GroupRunner, generate_groups, generate_until
 from slime.rollout.filters import as_filter_output
 from slime.rollout.rewards import build_reward
 from slime.types import RolloutBatch, Sample, SampleStatus
 
 
 async def _generate_all(args, engines, reward, groups: list[list[Sample]], rollout_id: int, evaluation: bool,
-                        progress: list[int] | None = None, generate_fn=None) -> list[list[Sample]]:
-    """Generate and score every group concurrently; each request gets its own sampling seed
-    (`sampling_seed`, SGLang's name; the native engine takes it too).
+                        progress: list[int] | None = None, generate_fn=None,
+                        version_now=lambda: None) -> list[list[Sample]]:
+    """Generate and score every group concurrently (`slime.rollout.group_generation`); each request
+    gets its own sampling seed (`sampling_seed`, SGLang's name; the native engine takes it too).
 
     `generate_fn` is `--custom-generate-function-path` (`async fn(args, sample, sampling_params)`
     returning a Sample or a list of Samples, which keep the group's index) or the default single
@@ -52,33 +53,9 @@ async def _generate_all(args, engines, reward, groups: list[list[Sample]], rollo
 
     (A module function: a coroutine method would make Ray run the manager as an async actor.)
     """
-    base = sampling_params(args, evaluation=evaluation)
-    if progress is not None:
-        progress[1] += sum(len(g) for g in groups)
-
-    async def one(s: Sample) -> list[Sample]:
-        params = dict(base, sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation))
-        if generate_fn is None:
-            out = [await generate(engines, s, params)]
-        else:
-            out = await generate_fn(args, s, params)
-            out = list(out) if isinstance(out, (list, tuple)) else [out]
-            if not out or not all(isinstance(x, Sample) for x in out):
-                raise TypeError(f"--custom-generate-function-path returned {out!r}; expected a Sample or a "
-                                "non-empty list of Samples")
-            for x in out:
-                x.group_index = s.group_index
-        if not reward.group:
-            out = [await score(reward, args, x) for x in out]
-        if progress is not None:
-            progress[0] += 1
-        return out
-
-    async def group(g: list[Sample]) -> list[Sample]:
-        samples = [x for out in await asyncio.gather(*(one(s) for s in g)) for x in out]
-        return await score_group(reward, args, samples) if reward.group else samples
-
-    return list(await asyncio.gather(*(group(g) for g in groups)))
+    runner = GroupRunner(args, engines, reward, generate_fn, progress if progress is not None else [0, 0],
+                         version_now)
+    return await generate_groups(runner, groups, rollout_id, evaluation)
 
 
 def number_samples(groups: list[list[Sample]], first_group: int = 0) -> None:
@@ -102,6 +79,9 @@ class RolloutManager:
         self.placement = placement
         self.servers: list = []
         self._progress = [0, 0]  # samples (done, launched) of the generate/eval call in flight
+        self.weight_version: int | None = None  # the policy version the engines serve (set by the driver)
+        self.stale = {"regenerated_samples": 0, "dropped_groups": 0}  # --max-staleness, over the whole run
+        self.fully_async: FullyAsyncGenerator | None = None
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollout-loop", daemon=True).start()
 
@@ -179,6 +159,7 @@ class RolloutManager:
             return self._sft_batch()
         start = time.perf_counter()
         metrics: dict[str, float] = {}
+        self.partial_metrics = {"aborted_groups": 0}
         if args.load_debug_rollout_data:  # replay a saved rollout instead of generating
             samples = generated = debug_data.load_samples(args.load_debug_rollout_data, rollout_id)
         elif self.rollout_fn is not None:
@@ -187,6 +168,9 @@ class RolloutManager:
         else:
             samples, generated, metrics = self._sample_groups(rollout_id)
         samples = self._fit_batch(samples, metrics)
+        metrics.update(self._staleness_metrics(samples, rollout_id))
+        if args.partial_rollout:
+            metrics["rollout/aborted_groups"] = float(self.partial_metrics["aborted_groups"])
         if args.save_debug_rollout_data:
             debug_data.save_samples(args.save_debug_rollout_data, rollout_id, samples)
         elapsed = time.perf_counter() - start
@@ -230,37 +214,48 @@ class RolloutManager:
             metrics["rollout/dropped_samples"] = float(len(samples) - want)
         return samples[:want]
 
+    def _runner(self) -> GroupRunner:
+        return GroupRunner(self.args, self.engines, self.reward, self.generate_fn, self._progress,
+                           lambda: self.weight_version)
+
     def _generate_groups(self, groups: list[list[Sample]], rollout_id: int, evaluation: bool) -> list[list[Sample]]:
         return self._run(_generate_all(self.args, self.engines, self.reward, groups, rollout_id, evaluation,
-                                       self._progress, self.generate_fn))
+                                       self._progress, self.generate_fn, lambda: self.weight_version))
+
+    def _keep(self, group: list[Sample], drops: dict[str, int]) -> bool:
+        out = as_filter_output(self.dynamic_filter(self.args, group)) if self.dynamic_filter else None
+        if out is None or out.keep:
+            return True
+        drops[out.reason or "filtered"] = drops.get(out.reason or "filtered", 0) + 1
+        return False
+
+    def _too_stale(self, s: Sample, rollout_id: int) -> bool:
+        return self.args.max_staleness is not None and s.staleness(rollout_id) > self.args.max_staleness
+
+    def _fresh_enough(self, groups: list[list[Sample]], rollout_id: int) -> list[list[Sample]]:
+        """Partial samples from the buffer whose oldest tokens are beyond --max-staleness start over."""
+        for g in groups:
+            for s in g:
+                if s.response_length and self._too_stale(s, rollout_id):
+                    s.reset_response()
+                    self.stale["regenerated_samples"] += 1
+        return groups
 
     def _sample_groups(self, rollout_id: int) -> tuple[list[Sample], list[Sample], dict[str, float]]:
         """`rollout_batch_size` groups of scored samples: every group when there is no filter, else
-        those the dynamic-sampling filter keeps, launching rounds of `over_sampling_batch_size`
-        prompts (each round generated concurrently). Then `--rollout-sample-filter-path` marks
-        samples to keep out of the loss. Returns (kept samples in group order, every generated
-        sample, filter metrics)."""
+        those the dynamic-sampling filter keeps. Without --partial-rollout, rounds of
+        `over_sampling_batch_size` prompts are generated to completion until enough groups are kept
+        (deterministic for a seed); with it, groups are kept as they complete and the rest are
+        aborted and go back to the data buffer to continue next rollout; with --fully-async they come
+        from the background generation loop. Then `--rollout-sample-filter-path` marks samples to
+        keep out of the loss. Returns (kept samples in group order, every generated sample, metrics)."""
         args, target = self.args, self.args.rollout_batch_size
-        kept: list[list[Sample]] = []
-        dropped: list[list[Sample]] = []
-        generated: list[Sample] = []
         drops: dict[str, int] = {}
-        rounds = 0
-        while len(kept) < target and rounds < args.dynamic_sampling_max_rounds:
-            groups = self.data_source.get_samples(args.over_sampling_batch_size)
-            number_samples(groups, first_group=rounds * args.over_sampling_batch_size)
-            groups = self._generate_groups(groups, rollout_id, False)
-            generated.extend(s for g in groups for s in g)
-            rounds += 1
-            for group in groups:
-                out = as_filter_output(self.dynamic_filter(args, group)) if self.dynamic_filter else None
-                if out is None or out.keep:
-                    kept.append(group)
-                else:
-                    dropped.append(group)
-                    drops[out.reason or "filtered"] = drops.get(out.reason or "filtered", 0) + 1
-        fallback = max(0, target - len(kept))
-        kept = sorted(kept[:target] + dropped[:fallback], key=lambda grp: grp[0].group_index)
+        if args.fully_async:
+            kept, generated, rounds, fallback = self._take_fully_async(rollout_id, drops)
+        else:
+            kept, generated, rounds, fallback = self._launch_rounds(rollout_id, drops)
+        kept = sorted(kept, key=lambda grp: grp[0].group_index)
         if self.sample_filter is not None:
             self.sample_filter(args, kept)
         metrics: dict[str, float] = {}
@@ -271,6 +266,78 @@ class RolloutManager:
             metrics["rollout/dynamic_filter/all_raw_reward"] = statistics.fmean(
                 s.reward if s.reward is not None else 0.0 for s in generated)
         return [s for grp in kept for s in grp], generated, metrics
+
+    def _launch_rounds(self, rollout_id: int, drops: dict[str, int]):
+        args, target = self.args, self.args.rollout_batch_size
+        kept: list[list[Sample]] = []
+        dropped: list[list[Sample]] = []
+        generated: list[Sample] = []
+        rounds = 0
+        while len(kept) < target and rounds < args.dynamic_sampling_max_rounds:
+            groups = self._fresh_enough(self.data_source.get_samples(args.over_sampling_batch_size), rollout_id)
+            number_samples(groups, first_group=rounds * args.over_sampling_batch_size)
+            if args.partial_rollout:
+                new_kept, new_dropped, rest = self._run(generate_until(
+                    self._runner(), groups, rollout_id, target - len(kept), lambda g: self._keep(g, drops)))
+                kept += new_kept
+                dropped += new_dropped
+                self.data_source.add_samples(rest)  # aborted (partial) or late groups continue next rollout
+                self.partial_metrics["aborted_groups"] += sum(
+                    any(s.status == SampleStatus.ABORTED for s in g) for g in rest)
+                groups = new_kept + new_dropped
+            else:
+                groups = self._generate_groups(groups, rollout_id, False)
+                for group in groups:
+                    (kept if self._keep(group, drops) else dropped).append(group)
+            generated.extend(s for g in groups for s in g)
+            rounds += 1
+        fallback = max(0, target - len(kept))
+        return kept[:target] + dropped[:fallback], generated, rounds, fallback
+
+    def _take_fully_async(self, rollout_id: int, drops: dict[str, int]):
+        """`rollout_batch_size` completed groups from the background loop (started on first use);
+        groups beyond --max-staleness are dropped and replaced."""
+        if self.fully_async is None:
+            def next_groups(k):
+                return self.data_source.get_samples(k)
+
+            self.fully_async = FullyAsyncGenerator(self._runner(), next_groups, self.args.async_groups_in_flight,
+                                                   lambda g: self._keep(g, drops))
+            self._loop.call_soon_threadsafe(self.fully_async.start)
+        self.fully_async.runner.progress = self._progress
+        self.fully_async.keep = lambda g: self._keep(g, drops)
+        kept: list[list[Sample]] = []
+        while len(kept) < self.args.rollout_batch_size:
+            for g in self._run(self.fully_async.take(self.args.rollout_batch_size - len(kept))):
+                if any(self._too_stale(s, rollout_id) for s in g):
+                    self.stale["dropped_groups"] += 1
+                else:
+                    kept.append(g)
+        return kept, [s for g in kept for s in g], 1, 0
+
+    # ------------------------------------------------------------ weight versions
+    def set_weight_version(self, version: int) -> None:
+        """The driver pushed policy `version` to the engines."""
+        self.weight_version = version
+
+    def pause_generation(self) -> None:
+        """--fully-async: hold every request in flight (in place) while the weights change."""
+        self._run(self.engines.post_all("/pause_generation", {}))
+
+    def continue_generation(self, version: int) -> None:
+        self.weight_version = version
+        self._run(self.engines.post_all("/continue_generation", {}))
+
+    def _staleness_metrics(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """How many policy versions each sample's oldest token lags the policy that trains on it
+        (policy version = rollouts trained = rollout_id): mean, max, and the count per value."""
+        lags = [s.staleness(rollout_id) for s in samples]
+        metrics = {"rollout/staleness/mean": statistics.fmean(lags), "rollout/staleness/max": float(max(lags))}
+        for lag in sorted(set(lags)):
+            metrics[f"rollout/staleness/count_{lag}"] = float(lags.count(lag))
+        metrics["rollout/stale_regenerated_samples_total"] = float(self.stale["regenerated_samples"])
+        metrics["rollout/stale_dropped_groups_total"] = float(self.stale["dropped_groups"])
+        return metrics
 
     def _overlong(self, samples: list[Sample]) -> torch.Tensor:
         args = self.args
@@ -398,13 +465,17 @@ class RolloutManager:
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"data_source": self.data_source.state_dict() if self.data_source is not None else None}
+        return {"data_source": self.data_source.state_dict() if self.data_source is not None else None,
+                "staleness": dict(self.stale)}
 
     def load_state_dict(self, state: dict) -> None:
         if self.data_source is not None and state.get("data_source") is not None:
             self.data_source.load_state_dict(state["data_source"])
+        self.stale.update(state.get("staleness", {}))
 
     def shutdown(self) -> None:
+        if self.fully_async is not None:
+            self._run(self.fully_async.stop())
         if getattr(self, "engines", None) is not None:
             self._run(self.engines.close())
         ray.get([s.shutdown.remote() for s in self.servers])

@@ -1,0 +1,105 @@
+"""The parts of a training run that `train.py` and `train_async.py` share.
+
+`Run(args)` starts everything (Ray, placement, the RolloutManager and its engines, the train
+ranks, resume from `--load`, metrics) and offers the loop's steps by name: `generate`, `train`,
+`push_weights`, `finish_rollout` (log, save, evaluate). The drivers stay a readable loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+from tqdm import tqdm
+
+from slime import checkpoint
+from slime.observability.metrics import MetricsLogger, console_line
+from slime.ray import cluster, placement
+from slime.ray.actor_group import NoTraining, TrainGroup
+from slime.ray.calls import get
+from slime.rollout.manager import RolloutManager
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        cluster.init()
+        pgs = placement.create(args)
+
+        # Rollout: data source, engines, rewards (max_concurrency=2: progress polls and control calls
+        # answer while a generate call is in flight).
+        self.rollout = ray.remote(num_cpus=0, max_concurrency=2)(RolloutManager).remote(args, pgs)
+        self.engine_urls = get(self.rollout.init.remote(), "start-up", "RolloutManager", args.stage_timeout)
+
+        # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
+        bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
+        critic = TrainGroup(args, role="critic", bundles=bundles) if args.use_critic else None  # PPO value model
+        self.actor = (NoTraining() if args.debug_rollout_only  # generate and score only
+                      else TrainGroup(args, role="actor", bundles=bundles, critic=critic))
+        self.actor.init()
+        self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)
+        self.logger = MetricsLogger.from_args(args, self.start_rollout_id)
+        print(f"slime: {len(self.engine_urls)} engine(s) at {', '.join(self.engine_urls) or '-'}; "
+              f"{args.dp_size} train rank(s); metrics in {self.logger.path}")
+
+    def rollout_ids(self):
+        args = self.args
+        return tqdm(range(self.start_rollout_id, args.num_rollout), desc="rollouts", unit="rollout",
+                    initial=self.start_rollout_id, total=args.num_rollout)
+
+    def start_generate(self, rollout_id: int):
+        return self.rollout.generate.remote(rollout_id)
+
+    def wait_generate(self, ref, rollout_id: int):
+        """(per-rank data refs, rollout metrics) of a generate call started with `start_generate`."""
+        return get(ref, f"rollout {rollout_id}", "RolloutManager", self.args.stage_timeout,
+                   progress=self.rollout.progress.remote)
+
+    def train(self, rollout_id: int, data_refs) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = self.actor.train(rollout_id, data_refs)
+        metrics["perf/train_time"] = time.perf_counter() - start
+        return metrics
+
+    def push_weights(self, version: int) -> float:
+        """The engines serve the trainer's weights (policy version = rollouts trained); returns the
+        seconds it took. SFT and --debug-train-only start no engines: nothing to push."""
+        start = time.perf_counter()
+        if self.engine_urls:
+            self.actor.update_weights(self.engine_urls, weight_version=version)
+            if self.args.check_weight_update_equal:
+                self.actor.check_weights(self.engine_urls)
+            ray.get(self.rollout.set_weight_version.remote(version))
+        return time.perf_counter() - start
+
+    def evaluate(self, trained_rollouts: int) -> None:
+        args = self.args
+        if not (args.eval_sets or args.eval_function_path):
+            return
+        if trained_rollouts % args.eval_interval == 0 or trained_rollouts == args.num_rollout:
+            metrics = get(self.rollout.eval.remote(trained_rollouts), "eval", "RolloutManager", args.stage_timeout,
+                          progress=self.rollout.progress.remote)
+            self.logger.log(trained_rollouts, {"rollout_id": trained_rollouts, "trained_rollouts": trained_rollouts,
+                                               **metrics})
+            tqdm.write(f"eval after {trained_rollouts} rollouts: "
+                       + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k.count("/") == 1))
+
+    def evaluate_before_training(self) -> None:
+        """Eval of the starting weights (with --num-rollout 0 this is the whole, eval-only run)."""
+        if self.start_rollout_id == 0 and not self.args.skip_eval_before_train:
+            self.evaluate(0)
+
+    def finish_rollout(self, rollout_id: int, record: dict) -> None:
+        """Log the rollout's record, save when due, evaluate when due."""
+        args = self.args
+        self.logger.log(rollout_id, {"rollout_id": rollout_id, **record})
+        tqdm.write(console_line(rollout_id, record))
+        last = rollout_id + 1 == args.num_rollout
+        if args.save and (last or (args.save_interval and (rollout_id + 1) % args.save_interval == 0)):
+            tqdm.write(f"saved {checkpoint.save(args, rollout_id, self.actor, self.rollout)}")
+        self.evaluate(rollout_id + 1)
+
+    def close(self) -> None:
+        self.logger.close()
+        ray.get(self.rollout.shutdown.remote())
+        self.actor.shutdown()

@@ -1,0 +1,187 @@
+"""Generate and score groups of samples on the rollout's event loop.
+
+A group is the n samples of one prompt. Three ways to run groups:
+- `generate_groups`: every group to completion (the synchronous rollout, eval);
+- `generate_until`: launch groups, keep them as they complete (through a keep filter) and, once
+  `target` are kept, abort what is still running on the engines (over-sampling; partial rollout);
+- `FullyAsyncGenerator`: a background loop that keeps a fixed number of groups in flight across
+  rollout boundaries and queues the completed ones.
+
+A sample that arrives finished (from the partial-rollout buffer) is not generated again; an aborted
+sample with a partial response continues from its tokens with the rest of its token budget. With
+`--mask-offpolicy-in-partial-rollout` the tokens it had before (written by older weights) get
+loss mask 0. An aborted sample is not scored; a group with any aborted sample is unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+from slime.rollout.generate import generate, sample_seed, sampling_params, score, score_group
+from slime.types import Sample, SampleStatus
+
+FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
+
+
+@dataclass
+class GroupRunner:
+    """What generating a group needs: the run's args, engines, reward and custom generate function,
+    the progress counter (samples done, launched) and the engines' current policy version."""
+
+    args: object
+    engines: object
+    reward: object
+    generate_fn: Callable | None = None
+    progress: list[int] = field(default_factory=lambda: [0, 0])
+    version_now: Callable[[], int | None] = lambda: None
+
+    async def sample(self, s: Sample, rollout_id: int, evaluation: bool) -> list[Sample]:
+        args = self.args
+        if s.status in FINISHED:  # finished in an earlier rollout, kept in the buffer
+            return [s]
+        params = dict(sampling_params(args, evaluation=evaluation),
+                      sampling_seed=sample_seed(args.seed, rollout_id, s.index, evaluation))
+        if s.response_length:  # a partial response from an aborted request continues
+            if args.mask_offpolicy_in_partial_rollout:
+                s.loss_mask = [0] * s.response_length
+            params["max_new_tokens"] -= s.response_length
+            if params["max_new_tokens"] <= 0:
+                s.status = SampleStatus.TRUNCATED
+                return [await score(self.reward, args, s)] if not self.reward.group else [s]
+        launched = self.version_now()
+        if launched is not None and (not s.weight_versions or s.weight_versions[-1] != launched):
+            s.weight_versions = s.weight_versions + [launched]
+        if self.generate_fn is None:
+            out = [await generate(self.engines, s, params)]
+        else:
+            out = await self.generate_fn(args, s, params)
+            out = list(out) if isinstance(out, (list, tuple)) else [out]
+            if not out or not all(isinstance(x, Sample) for x in out):
+                raise TypeError(f"--custom-generate-function-path returned {out!r}; expected a Sample or a "
+                                "non-empty list of Samples")
+            for x in out:
+                x.group_index = s.group_index
+        if not self.reward.group:
+            out = [x if x.status == SampleStatus.ABORTED else await score(self.reward, args, x) for x in out]
+        self.progress[0] += 1
+        return out
+
+    async def group(self, g: list[Sample], rollout_id: int, evaluation: bool = False) -> list[Sample]:
+        samples = [x for out in await asyncio.gather(*(self.sample(s, rollout_id, evaluation) for s in g))
+                   for x in out]
+        if self.reward.group and not any(s.status == SampleStatus.ABORTED for s in samples):
+            samples = await score_group(self.reward, self.args, samples)
+        return samples
+
+
+def unfinished(group: list[Sample]) -> bool:
+    return any(s.status == SampleStatus.ABORTED for s in group)
+
+
+async def generate_groups(runner: GroupRunner, groups: list[list[Sample]], rollout_id: int,
+                          evaluation: bool) -> list[list[Sample]]:
+    """Every group to completion, concurrently; results in the groups' order."""
+    runner.progress[1] += sum(len(g) for g in groups)
+    return list(await asyncio.gather(*(runner.group(g, rollout_id, evaluation) for g in groups)))
+
+
+async def abort_all(engines) -> None:
+    await engines.post_all("/abort_request", {"abort_all": True})
+
+
+async def generate_until(runner: GroupRunner, groups: list[list[Sample]], rollout_id: int, target: int,
+                         keep: Callable[[list[Sample]], bool]):
+    """Launch every group; keep completed groups that pass `keep` until `target` are kept, then abort
+    the requests still running. Returns (kept, dropped, rest): kept and dropped in completion order,
+    `rest` the groups that did not make it (aborted ones hold partial responses; groups that
+    completed after the target was reached are finished)."""
+    runner.progress[1] += sum(len(g) for g in groups)
+    pending = {asyncio.ensure_future(runner.group(g, rollout_id)) for g in groups}
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    rest: list[list[Sample]] = []
+    aborted = False
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                g = task.result()
+                if aborted or len(kept) >= target or unfinished(g):
+                    rest.append(g)
+                elif keep(g):
+                    kept.append(g)
+                else:
+                    dropped.append(g)
+            if len(kept) >= target and pending and not aborted:
+                aborted = True
+                await abort_all(runner.engines)
+    finally:
+        for task in pending:
+            task.cancel()
+    return kept, dropped, rest
+
+
+class FullyAsyncGenerator:
+    """Keeps `in_flight` groups generating at all times, across rollout boundaries. Completed groups
+    that pass `keep` wait in a queue; `take(n)` hands out n of them. `next_groups(k)` supplies new
+    groups (from the data source)."""
+
+    def __init__(self, runner: GroupRunner, next_groups: Callable[[int], list[list[Sample]]], in_flight: int,
+                 keep: Callable[[list[Sample]], bool]):
+        self.runner, self.next_groups, self.in_flight, self.keep = runner, next_groups, in_flight, keep
+        self.done: asyncio.Queue = asyncio.Queue()
+        self.dropped = 0
+        self._task: asyncio.Task | None = None
+        self._launched = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self) -> None:
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                while len(running) < self.in_flight:
+                    (g,) = self.next_groups(1)
+                    for j, s in enumerate(g):  # unique indices (and sampling seeds) across rollouts
+                        s.group_index, s.index = self._launched, self._launched * len(g) + j
+                    self._launched += 1
+                    self.runner.progress[1] += len(g)
+                    running.add(asyncio.ensure_future(self.runner.group(g, rollout_id=0)))
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    g = task.result()
+                    if unfinished(g):  # aborted at shutdown
+                        continue
+                    if self.keep(g):
+                        await self.done.put(g)
+                    else:
+                        self.dropped += 1
+        except asyncio.CancelledError:
+            for task in running:
+                task.cancel()
+            raise
+
+    async def take(self, n: int) -> list[list[Sample]]:
+        out = []
+        while len(out) < n:
+            if self._task is not None and self._task.done():
+                self._task.result()  # re-raise what stopped the loop
+            try:
+                out.append(await asyncio.wait_for(self.done.get(), timeout=1.0))
+            except asyncio.TimeoutError:
+                continue
+        return out
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+            await abort_all(self.runner.engines)
