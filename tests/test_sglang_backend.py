@@ -265,6 +265,46 @@ def test_weight_sync_mode_and_broadcast_layout(tiny_model_dir, data_file):
     assert broadcast_layout(1, 1) == (2, [1])
 
 
+_ENGINE_END = """
+import datetime, json, sys, torch
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+t = datetime.timedelta(seconds=60)
+store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{sys.argv[1]}", 1, 2, timeout=t))
+store.set_timeout(t)
+pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore("wug", store), group_name="wug", timeout=t)
+bufs = [torch.empty(3), torch.empty(2, 2, dtype=torch.bfloat16)]
+for w in [pg.broadcast(b, 0) for b in bufs]:
+    w.wait()
+print(json.dumps([b.float().tolist() for b in bufs]))
+"""
+
+
+def test_trainer_group_meets_an_sglang_style_engine_end():
+    """`sglang_weight_group` (rank 0) and an engine process joined the way SGLang's
+    init_custom_process_group joins (tcp:// rendezvous, PrefixStore(group), torch's
+    _new_process_group_helper) exchange broadcasts, in order, over gloo."""
+    import subprocess
+
+    from slime.engines.launcher import free_port
+    from slime.engines.sglang import sglang_weight_group
+
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_END, str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        pg = sglang_weight_group("127.0.0.1", port, 2, "wug", backend="gloo", timeout_s=60)
+        sent = [torch.tensor([1.0, -2.0, 3.5]), torch.tensor([[0.5, 1.5], [2.5, -4.0]], dtype=torch.bfloat16)]
+        for t in sent:
+            pg.broadcast(t, 0).wait()
+        out, err = engine.communicate(timeout=60)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert engine.returncode == 0, err[-2000:]
+    assert json.loads(out) == [t.float().tolist() for t in sent]
+
+
 # ----------------------------------------------------------------- protocol calls
 
 
@@ -522,36 +562,48 @@ def test_request_bodies_match_sglang_structs():
 
 
 def test_success_false_and_router_registration():
-    """A 200 that says success: false is an error; an engine registers with a running router
-    by POST /add_worker?url=..."""
+    """A 200 that says success: false is an error; an engine registers with a running router by
+    POST /workers (sglang-router > 0.2.1), or /add_worker?url=... on an older router."""
     from aiohttp import web
 
     seen = []
 
+    async def workers(request):
+        seen.append((request.path, await request.json()))
+        return web.json_response({"status": "accepted"}, status=202)
+
     async def add_worker(request):
-        seen.append((request.method, request.path, dict(request.query)))
+        seen.append((request.path, dict(request.query)))
         return web.Response(text="ok")
 
     async def disk(request):
         return web.json_response({"success": False, "message": "no such dir"})
 
-    async def go():
-        app = web.Application()
-        app.router.add_post("/add_worker", add_worker)
-        app.router.add_post("/update_weights_from_disk", disk)
+    async def serve(app):
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def go():
+        new, old = web.Application(), web.Application()
+        new.router.add_post("/workers", workers)
+        new.router.add_post("/update_weights_from_disk", disk)
+        old.router.add_post("/add_worker", add_worker)
+        (r1, url_new), (r2, url_old) = await serve(new), await serve(old)
         try:
-            await register_with_router(f"http://127.0.0.1:{port}", "http://10.0.0.2:30001")
-            ctl = SGLangControl(EngineClient(f"http://127.0.0.1:{port}"))
+            paths = [await register_with_router(url_new, "http://10.0.0.2:30001"),
+                     await register_with_router(url_old, "http://10.0.0.3:30001")]
+            ctl = SGLangControl(EngineClient(url_new))
             with pytest.raises(EngineError, match="did not succeed: 'no such dir'"):
                 await ctl.update_weights_from_disk("/x")
             await ctl.client.close()
+            return paths
         finally:
-            await runner.cleanup()
+            await r1.cleanup()
+            await r2.cleanup()
 
-    _run(go())
-    assert seen == [("POST", "/add_worker", {"url": "http://10.0.0.2:30001"})]
+    assert _run(go()) == ["/workers", "/add_worker"]
+    assert seen == [("/workers", {"url": "http://10.0.0.2:30001", "worker_type": "regular"}),
+                    ("/add_worker", {"url": "http://10.0.0.3:30001"})]

@@ -264,6 +264,29 @@ def broadcast_layout(num_engines: int, tp_size: int) -> tuple[int, list[int]]:
     return 1 + num_engines * tp_size, [1 + i * tp_size for i in range(num_engines)]
 
 
+def sglang_weight_group(master_address: str, master_port: int, world_size: int, group_name: str,
+                        backend: str = "nccl", timeout_s: float = 600.0, rank: int = 0):
+    """Rank `rank` (the trainer: 0) of a weight-update process group whose store keys meet an
+    SGLang engine's end.
+
+    SGLang's engine joins with torch's `tcp://` rendezvous (rank 0 hosts the TCPStore), wraps
+    the store in `PrefixStore(group_name)` and builds the group with torch's
+    `_new_process_group_helper` (which prefixes `<group_name>/` and `<device>/`). A group
+    built another way (e.g. a TCPStore under a different prefix) waits on keys the engine
+    never writes until its timeout. Then broadcast each tensor from rank 0 in `names` order.
+    """
+    import datetime
+
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
+    return pg
+
+
 # ---------------------------------------------------------------- control calls
 
 
@@ -396,11 +419,21 @@ class SGLangControl:
                    "/update_weights_from_tensor")
 
 
-async def register_with_router(router_url: str, worker_url: str, timeout: float = 30.0) -> None:
-    """Add an engine to a running sglang-router (`--sglang-router-ip/--sglang-router-port`):
-    `POST /add_worker?url=<worker_url>`."""
+async def register_with_router(router_url: str, worker_url: str, timeout: float = 30.0) -> str:
+    """Add an engine to a running sglang-router (`--sglang-router-ip/--sglang-router-port`).
+
+    sglang-router > 0.2.1: `POST /workers {"url": ..., "worker_type": "regular"}`; older
+    routers have only `POST /add_worker?url=...`, tried when /workers answers 404 or 405.
+    Returns the path that registered the engine."""
     client = EngineClient(router_url, timeout=timeout)
     try:
+        try:
+            await client._request("POST", "/workers", json={"url": worker_url, "worker_type": "regular"})
+            return "/workers"
+        except EngineError as e:
+            if e.status not in (404, 405):
+                raise
         await client._request("POST", "/add_worker", params={"url": worker_url})
+        return "/add_worker"
     finally:
         await client.close()
