@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slime.arguments import parse_args
-from slime.engines.client import EngineClient, EngineError, get_json, post_json, wait_until_healthy
+from slime.engines.client import EngineClient, EngineError, get_json, wait_until_healthy
 from slime.engines.sglang import (
     COLOCATE_MEM_FRACTION,
     SGLangControl,
@@ -89,6 +89,7 @@ def _captured_add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--log-level", type=str, default="info")
     a("--context-length", type=int, default=None)
     a("--weight-version", type=str, default="default")
+    a("--uvicorn-access-log-exclude-prefixes", type=str, nargs="*", default=None)
 
 
 @pytest.fixture
@@ -197,16 +198,18 @@ def test_colocate_adds_memory_saver_and_fraction(fake_sglang, tiny_model_dir, da
 def test_forwarding_values_bare_flags_equals_form_and_lists(fake_sglang, tiny_model_dir, data_file):
     args = _args(tiny_model_dir, data_file, "--sglang-max-running-requests", "64", "--sglang-disable-radix-cache",
                  "--sglang-attention-backend=triton", "--sglang-cuda-graph-bs-decode", "1 2 4",
-                 "--sglang-context-length=2048")
+                 "--sglang-context-length=2048", "--sglang-uvicorn-access-log-exclude-prefixes")
     assert args.sglang_args == {"max_running_requests": "64", "disable_radix_cache": True,
                                 "attention_backend": "triton", "cuda_graph_bs_decode": "1 2 4",
-                                "context_length": "2048"}
+                                "context_length": "2048", "uvicorn_access_log_exclude_prefixes": True}
     cmd = sglang_command(args, 0, "127.0.0.1", 4000)
     tail = cmd[cmd.index("--max-running-requests"):]
     assert tail == ["--max-running-requests", "64", "--disable-radix-cache", "--attention-backend", "triton",
-                    "--cuda-graph-bs-decode", "1", "2", "4", "--context-length", "2048"]
+                    "--cuda-graph-bs-decode", "1", "2", "4", "--context-length", "2048",
+                    "--uvicorn-access-log-exclude-prefixes"]  # nargs '*': bare is fine
     ns = sglang_parser().parse_args(cmd[3:])
     assert (ns.max_running_requests, ns.disable_radix_cache, ns.cuda_graph_bs_decode) == (64, True, [1, 2, 4])
+    assert ns.uvicorn_access_log_exclude_prefixes == []
 
 
 @pytest.mark.parametrize("flags, match", [

@@ -11,8 +11,9 @@ Three jobs:
    request bodies of SGLang's request structs (`sglang/srt/managers/io_struct.py`) and
    the answers SGLang gives (JSON, plain text, an empty body or `null`) read the same way.
    The native engine speaks the same protocol; see docs/engines/sglang.md for the gaps.
-3. `weight_sync_mode(args)` and `broadcast_layout(...)`: how the trainer reaches SGLang
-   engines with new weights.
+3. `weight_sync_mode(args)`, `broadcast_layout(...)` and `sglang_weight_group(...)`: how
+   the trainer reaches SGLang engines with new weights; `register_with_router(...)` adds an
+   engine to a running sglang-router.
 
 Flags slime manages (`MANAGED_FLAGS`): giving one through `--sglang-*` is an error naming
 the slime flag to use instead (an override would desynchronise slime's placement, its
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 PIP_PACKAGE = "sglang"
 NOT_INSTALLED = (
     "--rollout-backend sglang needs SGLang installed on every node that runs an engine "
-    "(pip install sglang, in the same environment as slime); it could not be imported: {err}"
+    f"(pip install {PIP_PACKAGE}, in the same environment as slime); it could not be imported: {{err}}"
 )
 
 # SGLang dest -> what to use instead. Aliases (e.g. --tensor-parallel-size, --model) map to these dests.
@@ -63,7 +64,7 @@ class _RaisingParser(argparse.ArgumentParser):
         raise SlimeConfigError(message)
 
 
-def sglang_parser(import_error_hint: str = "") -> argparse.ArgumentParser:
+def sglang_parser() -> argparse.ArgumentParser:
     """The installed SGLang's server parser (built by its own `ServerArgs.add_cli_args`).
 
     Raises SlimeConfigError naming `--rollout-backend sglang` and the pip package when SGLang
@@ -72,7 +73,7 @@ def sglang_parser(import_error_hint: str = "") -> argparse.ArgumentParser:
     try:
         from sglang.srt.server_args import ServerArgs
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken install raising anything
-        raise SlimeConfigError(NOT_INSTALLED.format(err=f"{type(e).__name__}: {e}") + import_error_hint) from None
+        raise SlimeConfigError(NOT_INSTALLED.format(err=f"{type(e).__name__}: {e}")) from None
     parser = _RaisingParser(prog="sglang.launch_server", add_help=False, allow_abbrev=False)
     ServerArgs.add_cli_args(parser)
     return parser
@@ -95,9 +96,10 @@ def _flag(key: str, prefix: str = "--sglang-") -> str:
 def forwarded_flags(sglang_args: dict[str, Any], parser: argparse.ArgumentParser) -> tuple[list[str], set[str]]:
     """The `--sglang-*` flags as SGLang server flags, checked against `parser`.
 
-    Returns (argv fragment, the SGLang dests they set). `True` is a bare flag; a value for
-    an option that takes a list (`nargs` '+' / '*' / N) is split on whitespace, so
-    `--sglang-cuda-graph-bs "1 2 4"` forwards `--cuda-graph-bs 1 2 4`.
+    Returns (argv fragment, the SGLang dests they set). `True` is a bare flag (also accepted
+    by options whose value is optional, nargs '?' / '*'); a value for an option that takes a
+    list (nargs '+' / '*' / N) is split on whitespace, so `--sglang-cuda-graph-bs-decode "1 2 4"`
+    forwards `--cuda-graph-bs-decode 1 2 4`.
     Raises SlimeConfigError naming the `--sglang-*` flag for an unknown flag, a flag slime
     manages, a missing value or a value given to a bare flag.
     """
@@ -117,13 +119,13 @@ def forwarded_flags(sglang_args: dict[str, Any], parser: argparse.ArgumentParser
             raise SlimeConfigError(
                 f"{_flag(key)} {value}: slime gives each SGLang engine --rollout-num-gpus-per-engine devices "
                 f"as one tensor-parallel group; run more engines with --rollout-num-gpus instead")
-        takes_value = action.nargs != 0
-        if takes_value and value is True:
+        takes_value, value_optional = action.nargs != 0, action.nargs in ("?", "*")
+        if takes_value and value is True and not value_optional:
             raise SlimeConfigError(f"{_flag(key)} needs a value")
         if not takes_value and value is not True:
             raise SlimeConfigError(f"{_flag(key)} is a switch and takes no value (got {value!r})")
         argv.append("--" + key.replace("_", "-"))
-        if takes_value:
+        if value is not True:
             if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1):
                 argv.extend(str(value).split())
             else:
