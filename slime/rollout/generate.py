@@ -42,9 +42,10 @@ def sample_seed(seed: int, rollout_id: int, index: int, evaluation: bool = False
 
 
 async def generate(engines: EnginePool, sample: Sample, params: dict) -> Sample:
-    """Continue `sample.tokens` (the prompt) with one engine call and fill in the response."""
+    """Continue `sample.tokens` (the prompt, and the partial response of a sample resumed after an
+    abort) with one engine call and extend the response."""
     out = await continue_sample(sample, params, engines)
-    sample.response = out.text
+    sample.response += out.text
     return sample
 
 

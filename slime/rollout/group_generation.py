@@ -124,15 +124,18 @@ async def generate_until(runner: GroupRunner, groups: list[list[Sample]], rollou
 
 
 class FullyAsyncGenerator:
-    """Keeps `in_flight` groups generating at all times, across rollout boundaries. Completed groups
-    that pass `keep` wait in a queue; `take(n)` hands out n of them. `next_groups(k)` supplies new
-    groups (from the data source)."""
+    """Keeps `in_flight` groups generating or waiting to be trained on, across rollout boundaries:
+    a group holds its slot from launch until `take` hands it out (or the keep filter drops it), so
+    memory and staleness stay bounded while the trainer is busy. Completed groups that pass `keep`
+    wait in a queue; `take(n)` hands out n of them. `next_groups(k)` supplies new groups (from the
+    data source)."""
 
     def __init__(self, runner: GroupRunner, next_groups: Callable[[int], list[list[Sample]]], in_flight: int,
                  keep: Callable[[list[Sample]], bool]):
         self.runner, self.next_groups, self.in_flight, self.keep = runner, next_groups, in_flight, keep
         self.done: asyncio.Queue = asyncio.Queue()
         self.dropped = 0
+        self._slots = asyncio.Semaphore(in_flight)
         self._task: asyncio.Task | None = None
         self._launched = 0
 
@@ -144,26 +147,32 @@ class FullyAsyncGenerator:
         running: set[asyncio.Task] = set()
         try:
             while True:
-                while len(running) < self.in_flight:
-                    (g,) = self.next_groups(1)
-                    for j, s in enumerate(g):  # unique indices (and sampling seeds) across rollouts
-                        s.group_index, s.index = self._launched, self._launched * len(g) + j
-                    self._launched += 1
-                    self.runner.progress[1] += len(g)
-                    running.add(asyncio.ensure_future(self.runner.group(g, rollout_id=0)))
-                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    g = task.result()
-                    if unfinished(g):  # aborted at shutdown
-                        continue
-                    if self.keep(g):
-                        await self.done.put(g)
-                    else:
-                        self.dropped += 1
+                await self._slots.acquire()
+                (g,) = self.next_groups(1)
+                for j, s in enumerate(g):  # unique indices (and sampling seeds) across rollouts
+                    s.group_index, s.index = self._launched, self._launched * len(g) + j
+                self._launched += 1
+                self.runner.progress[1] += len(g)
+                task = asyncio.ensure_future(self.runner.group(g, rollout_id=0))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), self._finished(t)))
         except asyncio.CancelledError:
             for task in running:
                 task.cancel()
             raise
+
+    def _finished(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self.done.put_nowait(task.exception())  # surfaces in take()
+            return
+        g = task.result()
+        if not unfinished(g) and self.keep(g):
+            self.done.put_nowait(g)
+        else:  # filtered out, or aborted at shutdown: its slot goes to a new group
+            self.dropped += not unfinished(g)
+            self._slots.release()
 
     async def take(self, n: int) -> list[list[Sample]]:
         out = []
@@ -171,9 +180,13 @@ class FullyAsyncGenerator:
             if self._task is not None and self._task.done():
                 self._task.result()  # re-raise what stopped the loop
             try:
-                out.append(await asyncio.wait_for(self.done.get(), timeout=1.0))
+                g = await asyncio.wait_for(self.done.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 continue
+            if isinstance(g, BaseException):
+                raise g
+            self._slots.release()
+            out.append(g)
         return out
 
     async def stop(self) -> None:

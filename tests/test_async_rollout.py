@@ -1,0 +1,181 @@
+"""Asynchronous rollout pieces without real engines: over-sampling with abort, resuming partial
+samples (and masking their older tokens), staleness bookkeeping, and the fully asynchronous
+generator's bound on groups in flight."""
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime.arguments import parse_args
+from slime.rollout.group_generation import FullyAsyncGenerator, GroupRunner, generate_until
+from slime.rollout.rewards import RewardFunction
+from slime.types import Sample, SampleStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeEngines:
+    """Prompt token t takes `delay[t]` seconds to produce all its tokens; an abort ends every request
+    in flight with one token. Records every payload; the weight version is settable."""
+
+    def __init__(self, delay):
+        self.delay = delay
+        self.aborted = asyncio.Event()
+        self.payloads = []
+        self.version = "3"
+        self.in_flight = self.max_in_flight = 0
+
+    async def generate(self, payload):
+        self.payloads.append(payload)
+        n = payload["sampling_params"]["max_new_tokens"]
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.wait_for(self.aborted.wait(), self.delay[payload["input_ids"][0]])
+            ids, finish = [7], "abort"
+        except asyncio.TimeoutError:
+            ids, finish = [7] * n, "length"
+        finally:
+            self.in_flight -= 1
+        return {"text": " x" * len(ids), "output_ids": ids,
+                "meta_info": {"finish_reason": {"type": finish}, "weight_version": self.version,
+                              "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+
+    async def post_all(self, path, json=None):
+        assert path == "/abort_request" and json == {"abort_all": True}
+        self.aborted.set()
+        return [{"success": True}]
+
+
+def _args(tiny_model_dir, tmp_path, *extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input": "x"}\n')
+    return parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts), "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
+                       "--output-dir", str(tmp_path / "o"), *map(str, extra)])
+
+
+def _groups(prompt_tokens, n=2):
+    return [[Sample(prompt=f"p{t}", tokens=[t, 1], index=g * n + j, group_index=g) for j in range(n)]
+            for g, t in enumerate(prompt_tokens)]
+
+
+def test_over_sampling_keeps_the_first_complete_groups_and_aborts_the_rest(tiny_model_dir, tmp_path):
+    args = _args(tiny_model_dir, tmp_path, "--over-sampling-batch-size", 4, "--partial-rollout",
+                 "--mask-offpolicy-in-partial-rollout")
+    engines = FakeEngines({10: 0.01, 11: 0.02, 12: 30.0, 13: 30.0})
+    runner = GroupRunner(args, engines, RewardFunction(lambda a, s: 1.0), version_now=lambda: 3)
+
+    async def run():
+        kept, dropped, rest = await generate_until(runner, _groups([12, 10, 13, 11]), 0, target=2, keep=lambda g: True)
+        assert [g[0].tokens[0] for g in kept] == [10, 11] and dropped == []
+        assert sorted(g[0].tokens[0] for g in rest) == [12, 13]
+        for g in rest:  # aborted after one token: partial, unscored, version recorded
+            for s in g:
+                assert s.status == SampleStatus.ABORTED and s.response_length == 1 and s.reward is None
+                assert s.loss_mask == [1] and s.weight_versions == [3]
+        assert all(s.reward == 1.0 and s.response_length == 6 for g in kept for s in g)
+
+        # next rollout: the partial samples resume with the rest of their budget under new weights
+        engines.aborted.clear()
+        engines.delay[12] = engines.delay[13] = 0.01
+        engines.version = "4"
+        runner.version_now = lambda: 4
+        engines.payloads.clear()
+        resumed = await runner.group(rest[0], rollout_id=1)
+        assert [p["sampling_params"]["max_new_tokens"] for p in engines.payloads] == [5, 5]
+        assert all(p["input_ids"][-1] == 7 and len(p["input_ids"]) == 3 for p in engines.payloads)
+        for s in resumed:
+            assert s.status == SampleStatus.TRUNCATED and s.response_length == 6 and s.reward == 1.0
+            assert s.loss_mask == [0, 1, 1, 1, 1, 1]  # the token from the older policy is masked
+            assert s.weight_versions == [3, 4] and s.staleness(4) == 1
+
+        # a finished group from the buffer is not generated again
+        engines.payloads.clear()
+        assert await runner.group(kept[0], rollout_id=1) == kept[0] and engines.payloads == []
+
+    asyncio.run(run())
+
+
+def test_stale_partial_samples_start_over(tiny_model_dir, tmp_path):
+    from slime.rollout.manager import RolloutManager
+
+    m = RolloutManager(_args(tiny_model_dir, tmp_path, "--max-staleness", 1))
+    m.data_source = None
+    s = Sample(tokens=[1, 2], prompt="p")
+    s.append_model_tokens([5, 6], [-1.0, -1.0])
+    s.weight_versions, s.status = [2], SampleStatus.ABORTED
+    fresh = Sample(tokens=[1, 2])
+    fresh.append_model_tokens([5], [-1.0])
+    fresh.weight_versions, fresh.status = [3], SampleStatus.ABORTED
+    m._fresh_enough([[s, fresh]], rollout_id=4)
+    assert s.tokens == [1, 2] and s.response_length == 0 and s.status == SampleStatus.PENDING
+    assert s.weight_versions == [] and s.loss_mask is None
+    assert fresh.response_length == 1  # lag 1 <= bound: kept
+    assert m.stale["regenerated_samples"] == 1
+    metrics = m._staleness_metrics([fresh, Sample(weight_versions=[4]), Sample(weight_versions=[4])], 4)
+    assert metrics["rollout/staleness/mean"] == pytest.approx(1 / 3) and metrics["rollout/staleness/max"] == 1.0
+    assert metrics["rollout/staleness/count_0"] == 2.0 and metrics["rollout/staleness/count_1"] == 1.0
+    # the counters are part of the saved state
+    state = m.state_dict()
+    m2 = RolloutManager(_args(tiny_model_dir, tmp_path, "--max-staleness", 1))
+    m2.data_source = None
+    m2.load_state_dict(state)
+    assert m2.stale == {"regenerated_samples": 1, "dropped_groups": 0}
+
+
+def test_fully_async_generator_bounds_groups_in_flight(tiny_model_dir, tmp_path):
+    args = _args(tiny_model_dir, tmp_path)
+    engines = FakeEngines({t: 0.01 for t in range(100)})
+    made = []
+
+    def next_groups(k):
+        (g,) = _groups([len(made) % 100])
+        made.append(g)
+        return [g]
+
+    async def run():
+        gen = FullyAsyncGenerator(GroupRunner(args, engines, RewardFunction(lambda a, s: float(s.tokens[0] % 2))),
+                                  next_groups, in_flight=3, keep=lambda g: g[0].tokens[0] % 3 != 0)
+        gen.start()
+        first = await gen.take(2)
+        await asyncio.sleep(0.3)  # the trainer is busy: no more than 3 groups are launched or waiting
+        launched_while_idle = len(made) - gen.dropped
+        second = await gen.take(2)
+        await gen.stop()
+        return first, second, launched_while_idle, gen.dropped
+
+    first, second, launched, dropped = asyncio.run(run())
+    assert launched <= 2 + 3  # taken + slots
+    assert all(g[0].tokens[0] % 3 != 0 for g in first + second)  # the filter dropped multiples of 3
+    assert dropped >= 1
+    assert len({s.index for g in first + second for s in g}) == 8  # unique indices -> unique seeds
+    assert engines.max_in_flight <= 3 * 2
+
+
+def test_train_async_refuses_colocate(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input": "x"}\n')
+    r = subprocess.run([sys.executable, "train_async.py", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data",
+                        str(prompts), "--rollout-batch-size", "1", "--num-rollout", "1", "--colocate"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "slime: error: train_async.py overlaps generation and training, which needs separate devices" in r.stderr
+
+
+def test_async_flags(tiny_model_dir, tmp_path):
+    from slime.utils.errors import SlimeConfigError
+
+    for extra, msg in [
+        (["--partial-rollout"], "--partial-rollout needs --over-sampling-batch-size > --rollout-batch-size"),
+        (["--mask-offpolicy-in-partial-rollout"], "needs --partial-rollout"),
+        (["--update-weights-interval", 0], "--update-weights-interval must be >= 1"),
+        (["--max-staleness", -1], "--max-staleness must be >= 0"),
+        (["--fully-async", "--partial-rollout", "--over-sampling-batch-size", 4], "--fully-async keeps generating"),
+    ]:
+        with pytest.raises(SlimeConfigError, match=msg):
+            _args(tiny_model_dir, tmp_path, *extra)
+    assert _args(tiny_model_dir, tmp_path, "--over-sampling-batch-size", 5).async_groups_in_flight == 5
