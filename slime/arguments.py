@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
     g.add_argument("--colocate", action="store_true",
                    help="place engines on the same devices (placement bundles) as the train ranks")
-    g.add_argument("--train-backend", choices=("fsdp",), default="fsdp")
+    g.add_argument("--train-backend", choices=("fsdp", "megatron"), default="fsdp",
+                   help="fsdp: FSDP2 over Hugging Face models; megatron: megatron-core (optional extra)")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
@@ -192,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
     g.add_argument("--num-steps-per-rollout", type=int, default=None)
     g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward/backward on one rank")
+    g.add_argument("--use-dynamic-batch-size", action="store_true",
+                   help="micro-batches hold up to --max-tokens-per-gpu tokens instead of --micro-batch-size samples")
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="token budget of one micro-batch with --use-dynamic-batch-size")
+    g.add_argument("--balance-data", action="store_true",
+                   help="balance tokens across data-parallel ranks within each optimizer step")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
