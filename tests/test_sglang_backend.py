@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -253,6 +254,55 @@ def test_not_installed_error_names_backend_and_package(tiny_model_dir, data_file
         server_command(args, 0, "127.0.0.1", 4000)
 
 
+_FAKE_LAUNCH_SERVER = """
+# Test double for `python -m sglang.launch_server`: checks the line with the captured parser,
+# records it, then serves the same port with slime's native engine.
+import argparse, json, os, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+ns = p.parse_args(sys.argv[1:])
+open(os.environ["FAKE_SGLANG_ARGV"], "w").write(json.dumps(sys.argv[1:]))
+os.execv(sys.executable, [sys.executable, "-m", "slime.engines.native", "--model-path", ns.model_path,
+         "--host", ns.host, "--port", str(ns.port), "--random-seed", str(ns.random_seed), "--num-threads", "1",
+         "--max-running-requests", str(ns.max_running_requests)])
+"""
+
+
+def test_engine_server_launches_the_sglang_command(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    """EngineServer with --rollout-backend sglang: the command is built, started, waited for and
+    stopped (a stand-in `sglang` package on PYTHONPATH serves it with the native engine)."""
+    from slime.engines.launcher import EngineServer
+
+    pkg = tmp_path / "pkgs" / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "srt" / "__init__.py").write_text("")
+    (pkg / "srt" / "server_args.py").write_text(
+        "import argparse\n" + "".join(__import__("inspect").getsourcelines(_captured_add_cli_args)[0])
+        + "\nclass ServerArgs:\n    add_cli_args = staticmethod(_captured_add_cli_args)\n")
+    (pkg / "launch_server.py").write_text(_FAKE_LAUNCH_SERVER)
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "pkgs"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_SGLANG_ARGV", str(tmp_path / "argv.json"))
+    args = _args(tiny_model_dir, data_file, "--output-dir", str(tmp_path / "out"), "--engine-startup-timeout", "120",
+                 "--sglang-max-running-requests", "16")
+    server = EngineServer(args, 0)
+    url = server.start()
+    try:
+        info = get_json(url, "/get_server_info")
+        assert (info["random_seed"], info["max_running_requests"]) == (7, 16)
+        argv = json.loads((tmp_path / "argv.json").read_text())
+        assert argv[argv.index("--port") + 1] == url.rsplit(":", 1)[1]
+        assert argv[-2:] == ["--max-running-requests", "16"] and argv[argv.index("--tp-size") + 1] == "1"
+        proc = server.process
+    finally:
+        server.shutdown()
+    assert proc.poll() is not None and (tmp_path / "out" / "logs" / "engine_0.log").is_file()
+
+
 def test_weight_sync_mode_and_broadcast_layout(tiny_model_dir, data_file):
     ns = argparse.Namespace
     assert weight_sync_mode(ns(colocate=False)) == "distributed"
@@ -312,14 +362,18 @@ def test_trainer_group_meets_an_sglang_style_engine_end():
 
 
 class _Recorder(EngineClient):
-    """An EngineClient that records (method, path, body) and forwards to the server."""
+    """An EngineClient that records (method, path, body) and forwards to the server (or, with
+    url None, answers {"success": true, "weight_version": "w"} itself)."""
 
     def __init__(self, url):
-        super().__init__(url, timeout=120)
+        super().__init__(url or "http://127.0.0.1:9", timeout=120)
+        self.offline = url is None
         self.calls: list[tuple[str, str, dict | None]] = []
 
     async def _request(self, method, path, json=None, data=None, params=None, headers=None):
         self.calls.append((method, path, json))
+        if self.offline:
+            return {"success": True, "weight_version": "w"}
         return await super()._request(method, path, json=json, data=data, params=params, headers=headers)
 
 
@@ -512,19 +566,8 @@ def test_request_bodies_match_sglang_structs():
     """Every body SGLangControl builds (tensor update included, which the native engine takes
     only in binary form) uses only SGLang's field names and carries the required ones."""
 
-    class Capture(EngineClient):
-        def __init__(self):
-            super().__init__("http://127.0.0.1:9")
-            self.calls = []
-
-        async def _request(self, method, path, json=None, data=None, params=None, headers=None):
-            self.calls.append((method, path, json))
-            if path == "/model_info":
-                return {"weight_version": "w"}
-            return {"success": True}
-
     async def go():
-        c = Capture()
+        c = _Recorder(None)
         ctl = SGLangControl(c)
         await ctl.abort("r")
         await ctl.abort()
