@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from slime.arguments import num_cpu_threads
@@ -105,10 +106,12 @@ class EngineServer:
         self.url: str | None = None
 
     def start(self) -> str:
+        return self._launch(free_port("127.0.0.1"))
+
+    def _launch(self, port: int) -> str:
         from slime.engines.client import wait_until_healthy
 
         host = "127.0.0.1"
-        port = free_port(host)
         cmd = server_command(self.args, self.rank, host, port)
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +133,32 @@ class EngineServer:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def restart(self, attempts: int = 3) -> str:
+        """Kill the engine (SIGKILL: it may be hung or stopped) and start it again on the same port,
+        so the URL the trainer pushes weights to stays valid. It starts from --hf-checkpoint: the
+        caller gives it the current weights. Returns the URL."""
+        if self.url is None:
+            raise RuntimeError(f"engine {self.rank} was never started")
+        port = int(self.url.rsplit(":", 1)[1])
+        if self.process is not None:
+            try:  # the whole group: a dead server may leave children behind
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+        self.process = None
+        for attempt in range(attempts):
+            try:
+                return self._launch(port)
+            except RuntimeError:  # e.g. the port is not free yet
+                if attempt + 1 == attempts:
+                    raise
+                time.sleep(1.0 + attempt)
+        raise AssertionError("unreachable")
 
     def shutdown(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -148,6 +148,13 @@ _NEUTRAL_TOP_KEYS = {
     "bootstrap_port": None,
     "bootstrap_room": None,
     "data_parallel_rank": None,
+    # sglang-router re-serializes /generate with these defaults of SGLang's GenerateReqInput
+    "model": None,
+    "log_metrics": True,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
 }
 
 

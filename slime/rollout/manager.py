@@ -132,7 +132,7 @@ class RolloutManager:
             self.servers.append(server_cls.options(**opts).remote(args, rank))
         self.urls = ray.get([s.start.remote() for s in self.servers])
         # --debug-train-only replays saved rollouts and starts no engines
-        self.engines = EnginePool(self.urls, timeout=args.rollout_request_timeout) if self.urls else None
+        self.engines = self._start_router() if self.urls else None
         api.set_context(api.RolloutContext(args, tokenizer, self.engines, self.urls[0] if self.urls else "",
                                            args.custom_config, loop=self._loop))
         return self.urls
@@ -476,6 +476,101 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.fully_async is not None:
             self._run(self.fully_async.stop())
+        self._stop_health_monitor()
         if getattr(self, "engines", None) is not None:
             self._run(self.engines.close())
+        self._stop_router()
         ray.get([s.shutdown.remote() for s in self.servers])
+
+    # ------------------------------------------------------- router, fault tolerance
+    def _start_router(self) -> EnginePool:
+        """Start sglang-router (or connect to --sglang-router-ip/port), register every engine with it,
+        and, with --use-fault-tolerance, start the health monitor. Returns the pool rollouts use."""
+        from pathlib import Path
+
+        from slime.engines.router import RouterAdmin, connect_router, start_router
+
+        args = self.args
+        log_path = Path(args.output_dir) / "logs" / "router.log"
+        self.router_process = None
+        if args.sglang_router_ip is not None:
+            url = connect_router(args.sglang_router_ip, args.sglang_router_port)
+        else:
+            self.router_process = start_router(log_path, args.rollout_request_timeout)
+            url = self.router_process.url
+        self.router = RouterAdmin(url, log_path=log_path if self.router_process else None)
+        for engine_url in self.urls:
+            self.router.add(engine_url, timeout=args.engine_startup_timeout)
+        pool = EnginePool(self.urls, timeout=args.rollout_request_timeout, router_url=url,
+                          concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance)
+        self._trainer = None
+        self.health_monitor = None
+        if args.use_fault_tolerance:
+            from slime.engines.health import HealthMonitor
+
+            self.health_monitor = HealthMonitor(
+                pool, self.router, self.servers, self.urls, args.rollout_health_check_interval,
+                args.rollout_health_check_timeout, self._give_weights)
+            self._monitor_future = asyncio.run_coroutine_threadsafe(self.health_monitor.run(), self._loop)
+        return pool
+
+    def router_url(self) -> str | None:
+        """The URL generation goes to (sglang-router in front of the engines)."""
+        return self.engines.router_url if getattr(self, "engines", None) is not None else None
+
+    def attach_trainer(self, trainer) -> None:
+        """--use-fault-tolerance: the train group (slime.ray.actor_group.TrainGroup) that gives a
+        restarted engine the current weights before it serves again."""
+        self._trainer = trainer
+
+    def _give_weights(self, url: str, version: str) -> None:
+        """Called by the health monitor (in a worker thread) for a restarted engine at `url`."""
+        if self._trainer is None:
+            from slime.engines.health import EngineRestartError
+
+            raise EngineRestartError(
+                f"engine {url} was restarted but no trainer is attached to give it the current weights "
+                "(the driver calls rollout.attach_trainer.remote(actor) with --use-fault-tolerance)")
+        if self.weight_version is not None:
+            version = str(self.weight_version)
+        self._trainer.update_weights([url], weight_version=int(version) if version.isdigit() else version)
+        if self.args.check_weight_update_equal and hasattr(self._trainer, "check_weights"):
+            self._trainer.check_weights([url])
+
+    def engine_restart_metrics(self) -> dict[str, float]:
+        """{"rollout/engine_restarts": restarts since the last call} (empty without
+        --use-fault-tolerance); `generate` adds it to the rollout's metrics."""
+        if getattr(self, "health_monitor", None) is None:
+            return {}
+        return {"rollout/engine_restarts": float(self.health_monitor.take_restart_count())}
+
+    def engine_restart_events(self) -> list[dict]:
+        """Every restart of this run (rank, url, reason, weight_version, seconds)."""
+        return list(self.health_monitor.events) if getattr(self, "health_monitor", None) is not None else []
+
+    def engine_pids(self) -> list[int | None]:
+        """The engine processes' pids (tests kill them)."""
+        return ray.get([s.pid.remote() for s in self.servers])
+
+    def _stop_health_monitor(self) -> None:
+        if getattr(self, "health_monitor", None) is None:
+            return
+        self._loop.call_soon_threadsafe(self.health_monitor.stop)
+        try:
+            self._monitor_future.result(timeout=30)
+        except Exception:  # noqa: BLE001 - shutting down
+            pass
+        self.health_monitor = None
+
+    def _stop_router(self) -> None:
+        if getattr(self, "router", None) is None:
+            return
+        if getattr(self, "router_process", None) is not None:
+            self.router_process.stop()
+        else:  # an external router: do not leave our engines registered there
+            for url in self.urls:
+                try:
+                    self.router.remove(url, timeout=10)
+                except Exception:  # noqa: BLE001 - shutting down
+                    pass
+        self.router = None
