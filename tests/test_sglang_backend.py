@@ -300,6 +300,8 @@ def test_engine_server_launches_the_sglang_command(tiny_model_dir, data_file, tm
         proc = server.process
     finally:
         server.shutdown()
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            del sys.modules[name]  # the stand-in package must not outlive this test
     assert proc.poll() is not None and (tmp_path / "out" / "logs" / "engine_0.log").is_file()
 
 
