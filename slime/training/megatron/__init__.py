@@ -1,0 +1,1 @@
+"""megatron-core training backend (`--train-backend megatron`); see docs/megatron.md."""

@@ -1,0 +1,418 @@
+"""megatron-core training backend (`--train-backend megatron`): same interface as FSDPBackend.
+
+Model: a megatron-core GPTModel (local layer spec) built from the HF config and filled from
+the HF checkpoint (`model.py`, `weights.py`), fp32 master weights, kept in eval mode
+(no dropout), so a no-grad pass and a training pass give identical log-probs.
+
+Parallelism. Every train rank (TrainGroup actor) keeps its own samples, exactly as with
+FSDP, so the actor's data split, loss scaling and metrics do not change. Ranks are laid out
+by megatron's `parallel_state` (order tp-cp-ep-dp-pp); with `--tensor-model-parallel-size`
+T > 1 the T ranks of a TP group run *one* forward over the concatenation of their
+micro-batches (gathered as token lists), each rank computes its own samples' loss with the
+actor's `loss_fn` on the (detached) slice of log-probs it owns, the d loss / d log-prob
+slices are summed over the TP group, and every TP rank back-propagates the same total
+upstream gradient through the TP-sharded graph - which is what megatron's collectives in
+the tensor-parallel layers assume. Gradients are then summed over the data-parallel group
+and divided by the number of train ranks (the actor multiplies each rank's loss by it, as
+for FSDP's averaging). Pipeline and context parallelism are rejected (see `_check_parallel`).
+
+Optimizer: torch AdamW over this rank's (TP-sharded) parameters; gradient clipping uses the
+global norm (TP-sharded parameters summed over the TP group, replicated ones counted once).
+megatron's DistributedDataParallel / DistributedOptimizer are not used (shims.py says why).
+
+Checkpoints: `path/hf` (HF safetensors, rank 0) and `path/train_state/` (one file per TP
+rank with its model shard and AdamW state, written by DP rank 0; resuming needs the same TP
+size, any DP size).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
+from slime.training.megatron import shims
+from slime.utils.errors import SlimeConfigError
+
+logger = logging.getLogger(__name__)
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def _check_parallel(args, world_size: int, cuda: bool) -> tuple[int, int, int]:
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    cp = getattr(args, "context_parallel_size", 1)
+    if world_size % (tp * pp * cp):
+        raise SlimeConfigError(f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp}) must divide the "
+                               f"{world_size} train ranks")
+    if pp > 1:
+        raise SlimeConfigError("--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
+                               "(it needs megatron's pipeline schedules with per-stage loss; use TP and DP)")
+    if cp > 1:
+        raise SlimeConfigError("--context-parallel-size > 1 needs Transformer Engine's attention on GPUs "
+                               "(megatron-core's local attention has no context-parallel path)")
+    if getattr(args, "sequence_parallel", False) and not cuda:
+        raise SlimeConfigError("--sequence-parallel needs GPUs (NCCL reduce-scatter); gloo on the CPU has none")
+    return tp, pp, cp
+
+
+class MegatronBackend:
+    """One train rank of a megatron-core GPTModel (TP-sharded) plus its optimizer."""
+
+    def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
+        from slime.utils.megatron_convert import require_megatron
+
+        require_megatron()
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        if value_head:
+            raise SlimeConfigError("--train-backend megatron has no PPO critic (value head) yet; "
+                                   "use --train-backend fsdp for --advantage-estimator ppo")
+        self.args, self.rank, self.world_size = args, rank, world_size
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.tp, _, _ = _check_parallel(args, world_size, self.device.type == "cuda")
+        sft = getattr(args, "loss_type", None) == "sft_loss"
+        self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
+
+        self._owns_process_group = False
+        if not dist.is_initialized():
+            if master_port is None:
+                raise ValueError("MegatronBackend needs master_port to create the process group")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                    world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+            self._owns_process_group = True
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")
+        self._owns_mp = not ps.model_parallel_is_initialized()
+        if self._owns_mp:
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        shims.use_cpu_rng_tracker()
+
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        hf_state = self._hf_state()
+        self.model = self._build(hf_state)
+        self.ref_model = None
+        if with_ref:
+            self.ref_model = self._build(hf_state)
+            self.ref_model.requires_grad_(False)
+        del hf_state
+        self.vocab_size = self.hf_config.vocab_size
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr,
+                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                           weight_decay=args.weight_decay)
+
+    def _hf_state(self) -> dict[str, Tensor]:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(self.args.hf_checkpoint, dtype=torch.float32)
+        return {k: v.detach() for k, v in hf.state_dict().items()}
+
+    def _build(self, hf_state):
+        from slime.training.megatron.model import build_model
+        from slime.training.megatron.weights import load_hf_into
+
+        with shims.cpu_only_cuda_shims():
+            model = build_model(self.hf_config, tp=self.tp,
+                                sequence_parallel=bool(getattr(self.args, "sequence_parallel", False)))
+        load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
+        return model.to(self.device)
+
+    # ------------------------------------------------------------ forward
+
+    def _gather_tp(self, mb) -> tuple[list[list[int]], list[int], int, int]:
+        """The TP group's micro-batches concatenated in TP-rank order, and this rank's sample range."""
+        tokens, lengths = [list(t) for t in mb.tokens], list(mb.response_lengths)
+        if self.tp == 1:
+            return tokens, lengths, 0, len(tokens)
+        parts: list = [None] * self.tp
+        dist.all_gather_object(parts, (tokens, lengths), group=self.tp_group)
+        start = sum(len(p[0]) for p in parts[: self.tp_rank])
+        all_tokens = [t for p in parts for t in p[0]]
+        all_lengths = [r for p in parts for r in p[1]]
+        return all_tokens, all_lengths, start, start + len(tokens)
+
+    def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool):
+        """Per-sample log-probs (and entropy) of the response tokens: lists of Tensor[r_i]."""
+        if not tokens:
+            return [], []
+        lens = [len(t) for t in tokens]
+        prompt_lens = [n - r for n, r in zip(lens, lengths)]
+        for i, (p, r) in enumerate(zip(prompt_lens, lengths)):
+            if p < 1 or r < 0:
+                raise ValueError(f"sample {i} of the micro-batch: {lens[i]} tokens, response length {r} "
+                                 "(a response needs at least one prompt token before it)")
+        b, t = len(lens), max(lens)
+        # right padding under a causal mask: no real token attends to a pad, so no padding mask
+        ids = torch.zeros((b, t), dtype=torch.long)
+        for i, toks in enumerate(tokens):
+            ids[i, : lens[i]] = torch.as_tensor(toks, dtype=torch.long)
+        ids = ids.to(self.device)
+        pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)
+        with shims.cpu_only_cuda_shims():
+            logits = model(ids, pos, attention_mask=shims.causal_mask(t, self.device))  # [b, t, V_padded]
+        logits = logits[..., : self.vocab_size]
+        lps, ents = [], []
+        for i in range(b):
+            p, r = prompt_lens[i], lengths[i]
+            lg, tgt = logits[i, p - 1 : p - 1 + r], ids[i, p : p + r]
+            if with_entropy and entropy_grad:
+                lp, ent = compute_log_probs_and_entropy(lg, tgt, self.temperature)
+            else:
+                lp = compute_log_probs(lg, tgt, self.temperature)
+                ent = None
+                if with_entropy:
+                    with torch.no_grad():
+                        ent = compute_entropy(lg.detach(), self.temperature)
+            if r == 0 and torch.is_grad_enabled():
+                lp = lp + 0.0 * logits[i].sum()  # keep the graph (and its TP collectives) connected
+            lps.append(lp)
+            ents.append(ent)
+        return lps, ents
+
+    def forward_logprobs(self, mb, *, grad: bool = False, with_entropy: bool = False,
+                         entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropy) of every response token of this rank's micro-batch, Tensor[N]
+        in sample order (collective over the TP group)."""
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise RuntimeError("no reference model was built (use_kl_loss is off)")
+        if grad and self.tp > 1 and not ref:
+            raise RuntimeError("with tensor parallelism, gradients go through train_step (the TP group's "
+                               "losses are combined there)")
+        tokens, lengths, s, e = self._gather_tp(mb)
+        with torch.set_grad_enabled(grad and not ref):
+            lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
+                                      entropy_grad=entropy_grad and grad)
+        lp = torch.cat(lps[s:e]) if e > s else torch.zeros(0, device=self.device)
+        ent = (torch.cat(ents[s:e]) if e > s else torch.zeros(0, device=self.device)) if with_entropy else None
+        return lp, ent
+
+    def forward_values(self, mb, *, grad: bool = False) -> Tensor:
+        raise RuntimeError("--train-backend megatron has no value head (PPO critic); use --train-backend fsdp")
+
+    # ------------------------------------------------------------ training
+
+    def _tp_max(self, n: int) -> int:
+        if self.tp == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return int(t[0])
+
+    def train_step(self, micro_batches: list, loss_fn: Callable[[int, Tensor, Tensor], Tensor],
+                   *, entropy_grad: bool = False) -> float:
+        """Forward/backward every micro-batch, reduce gradients, clip, AdamW step, zero grad.
+        loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) as for FSDPBackend.
+        returns the total gradient norm before clipping (identical on every rank)."""
+        from slime.training.actor import MicroBatch
+
+        n_local = len(micro_batches)
+        for k in range(self._tp_max(n_local)):
+            mb = micro_batches[k] if k < n_local else MicroBatch([], [])
+            if self.tp == 1:
+                if not mb.tokens:
+                    continue
+                lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
+                loss_fn(k, lp, ent).backward()
+                continue
+            self._tp_backward(k, mb, loss_fn, entropy_grad, own=k < n_local)
+        return self._finish_step()
+
+    def _tp_backward(self, k, mb, loss_fn, entropy_grad: bool, own: bool) -> None:
+        """One micro-batch under TP: one forward over the TP group's samples; the upstream gradient
+        is the sum of every TP rank's d loss / d log-probs (and entropy) over its own slice."""
+        tokens, lengths, s, e = self._gather_tp(mb)
+        lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
+        if not lps:
+            return
+        lp_all = torch.cat(lps)
+        ent_all = torch.cat(ents)
+        off = [0]
+        for r in lengths:
+            off.append(off[-1] + r)
+        a, b = off[s], off[e]
+        g_lp = torch.zeros_like(lp_all, dtype=torch.float32)
+        g_ent = torch.zeros_like(ent_all, dtype=torch.float32)
+        if own:
+            lp_own = lp_all[a:b].detach().requires_grad_(True)
+            ent_own = ent_all[a:b].detach().requires_grad_(entropy_grad)
+            loss = loss_fn(k, lp_own, ent_own)
+            inputs = [lp_own] + ([ent_own] if entropy_grad else [])
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+            if grads[0] is not None:
+                g_lp[a:b] = grads[0]
+            if entropy_grad and grads[1] is not None:
+                g_ent[a:b] = grads[1]
+        dist.all_reduce(g_lp, group=self.tp_group)
+        outputs, upstream = [lp_all], [g_lp.to(lp_all.dtype)]
+        if entropy_grad:
+            dist.all_reduce(g_ent, group=self.tp_group)
+            outputs.append(ent_all)
+            upstream.append(g_ent.to(ent_all.dtype))
+        torch.autograd.backward(outputs, upstream)
+
+    def _finish_step(self) -> float:
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if dist.get_world_size(self.dp_group) > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.dp_group)
+        for p in params:
+            p.grad.div_(self.world_size)
+        # global norm: TP shards summed over the group, replicated parameters once
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.float().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(sq, group=self.tp_group)
+        grad_norm = float(sq.sqrt())
+        max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf
+        if math.isfinite(grad_norm):
+            coef = min(max_norm / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
+            self.optimizer.step()
+        else:
+            logger.warning("rank %d: non-finite grad norm %s, skipping the optimizer step", self.rank, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        t = tensor.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32).clone()
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu()
+
+    # ------------------------------------------------------------ weights
+
+    def _gather(self, t: Tensor) -> list[Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+        return parts
+
+    def _hf_full(self) -> dict[str, Tensor]:
+        from slime.training.megatron.weights import full_mcore_state, to_hf
+
+        return to_hf(full_mcore_state(self.model, self._gather), self.hf_config)
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) for every HF parameter, a tied head once (as the embedding).
+        Collective over the TP group: every rank iterates."""
+        yield from self._hf_full().items()
+
+    def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
+        """HF-named full model state (a tied head listed too, like HF's state_dict) and the AdamW
+        state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere. Collective."""
+        from slime.training.megatron.weights import partition_dim, unshard
+
+        sd = {k: v.cpu() for k, v in self._hf_full().items()}
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        osd = None
+        if optimizer:
+            state = {}
+            for name, p in self.model.named_parameters():
+                st, dim = self.optimizer.state.get(p, {}), partition_dim(p)
+                entry = {}
+                for key in ("step", "exp_avg", "exp_avg_sq"):
+                    if key not in st:
+                        continue
+                    v = st[key]
+                    if key != "step" and dim is not None:
+                        v = unshard(name, self._gather(v), dim)
+                    entry[key] = v.detach().cpu().clone()
+                if entry:
+                    state[name] = entry
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            osd = {"state": state, "param_groups": groups}
+        if self.rank != 0:
+            return {}, ({} if optimizer else None)
+        return sd, osd
+
+    def save(self, path: str | Path) -> None:
+        """rank 0: `path/hf` (HF safetensors + config + tokenizer); DP rank 0 of each TP rank:
+        `path/train_state/tp_XX.pt` (model shard + AdamW state). Collective."""
+        path = Path(path)
+        hf = self._hf_full()
+        if self.rank == 0:
+            self._write_hf(path / "hf", hf)
+        del hf
+        state_dir = path / "train_state"
+        if self.dp_rank == 0:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
+                       state_dir / f"tp_{self.tp_rank:02d}.pt")
+            if self.rank == 0:
+                (state_dir / "megatron.json").write_text(json.dumps({"tensor_model_parallel_size": self.tp}))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load(self, path: str | Path) -> None:
+        """Restore this rank's model shard and AdamW state from `path/train_state` (same TP size, any DP)."""
+        state_dir = Path(path) / "train_state"
+        meta = state_dir / "megatron.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"no megatron training state at {state_dir}")
+        saved_tp = json.loads(meta.read_text())["tensor_model_parallel_size"]
+        if saved_tp != self.tp:
+            raise SlimeConfigError(f"{state_dir} was saved with --tensor-model-parallel-size {saved_tp}, "
+                                   f"this run has {self.tp}; resume with the same size (or start from {path}/hf)")
+        state = torch.load(state_dir / f"tp_{self.tp_rank:02d}.pt", map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        for f in Path(self.args.hf_checkpoint).iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                shutil.copy2(f, out / f.name)
+        self.hf_config.save_pretrained(out)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+    def close(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if self._owns_mp and ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+            self._owns_mp = False
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False

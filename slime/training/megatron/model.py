@@ -1,0 +1,89 @@
+"""megatron-core GPTModel built from a Hugging Face config (Llama, Qwen2 with q/k/v bias, Qwen3).
+
+The layer spec is megatron's local (non-Transformer-Engine) one: ColumnParallelLinear /
+RowParallelLinear / VocabParallelEmbedding from `megatron.core.tensor_parallel`, megatron's
+DotProductAttention and its RMSNorm. The HF -> TransformerConfig translation (RMSNorm eps,
+SwiGLU, grouped-query heads, head_dim, RoPE base, biases, qk-norm) is the one the conversion
+tools use (`slime.utils.megatron_convert.transformer_config`), so the trainer and the
+torch_dist checkpoints describe the same model.
+
+Needs `megatron.core.parallel_state` to be initialized (see backend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from slime.utils import megatron_convert as mc
+from slime.utils.errors import SlimeConfigError
+
+
+def padded_vocab(config, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's rule: the vocabulary padded to a multiple of divisible_by x TP size."""
+    return mc.padded_vocab_size(config.vocab_size, divisible_by * tp)
+
+
+def check_parallel_config(config, tp: int) -> None:
+    """Refuse HF configs whose heads cannot be split over `tp` ranks, naming the numbers."""
+    mc.check_config(config)
+    nq, ng = config.num_attention_heads, mc.num_kv_heads(config)
+    for what, n in (("num_attention_heads", nq), ("num_key_value_heads", ng),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % tp:
+            raise SlimeConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n})")
+
+
+def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32):
+    """A GPTModel for one tensor-parallel rank (pre- and post-process: no pipeline split).
+
+    The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
+    differentiable all-gather), so every TP rank sees full [b, s, V_padded] logits.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    check_parallel_config(config, tp)
+    theta, _ = mc._rope(config)
+    tconf = dataclasses.replace(mc.transformer_config(config, dtype), tensor_model_parallel_size=tp,
+                                sequence_parallel=sequence_parallel)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(config))
+    model = GPTModel(
+        config=tconf,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab(config, tp),
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=False,
+        share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=theta,
+    )
+    _mark_tensor_parallel(model)
+    model.to(dtype)
+    model.eval()  # dropout is 0 anyway; eval keeps it that way for any future layer
+    return model
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Give the TP-split weights megatron's `tensor_model_parallel` / `partition_dim` attributes.
+
+    megatron-core sets them while it initializes a weight; with `use_cpu_initialization` and
+    `perform_initialization=False` (every weight comes from the HF checkpoint) it skips that, so
+    the attributes that gradient-norm bookkeeping (`param_is_not_tensor_parallel_duplicate`) and
+    our sharding (weights.py) read would be missing. Same values megatron would set."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(m, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(m, "weight", None)
+        if w is not None and not hasattr(w, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(w, True, dim, 1)

@@ -1,0 +1,65 @@
+"""Every CPU-only shim slime applies to megatron-core (0.16), in one place.
+
+megatron-core is written for CUDA. Its arithmetic runs on the CPU unchanged, but a few
+bookkeeping spots name the CUDA device or the CUDA RNG directly and raise on a CPU-only
+torch build. On a machine with CUDA none of these shims does anything.
+
+1. `torch.cuda.current_device()` -> "cpu" and `torch.cuda.synchronize()` -> no-op, while
+   `cpu_only_cuda_shims()` is active:
+     * `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on the
+       first forward (models/common/embeddings/rotary_pos_embedding.py);
+     * dist_checkpointing's torch_dist writer calls `torch.cuda.synchronize()`
+       (FileSystemWriterAsync.preload_tensors) and puts its failure-flag tensor on
+       `torch.cuda.current_device()` (save_state_dict_async_finalize).
+   With no CUDA device there is nothing to synchronize and the tensors belong on the CPU,
+   so those calls mean exactly that. Scoped: restored on exit.
+2. The CUDA RNG tracker: attention dropout and the tensor-parallel layers enter
+   `get_cuda_rng_tracker().fork()`, which saves and restores the CUDA RNG state.
+   `use_cpu_rng_tracker()` initializes megatron's own inference tracker (a `fork` that is a
+   null context, megatron's `initialize_rng_tracker(inference_rng_tracker=True)`). slime runs
+   with dropout 0 and initializes no weights (all come from the HF checkpoint), so nothing
+   draws random numbers under the fork. Process-wide (megatron keeps one tracker).
+3. The attention mask: megatron's unfused softmax builds a default causal mask with
+   `device="cuda"` (transformer/utils.py get_default_causal_mask) when it is given none.
+   `causal_mask(s)` builds the same [1, 1, s, s] boolean mask (True = masked) on the CPU
+   and the backend always passes it. Not a patch: an argument megatron accepts.
+
+What is *not* used on the CPU: megatron's DistributedDataParallel and DistributedOptimizer
+(they allocate contiguous grad buffers on `torch.cuda.current_device()` and overlap
+communication on CUDA streams); slime reduces gradients itself (see backend.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def cpu_only_cuda_shims():
+    """Shim 1 (see the module docstring). A no-op when CUDA is available."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+def use_cpu_rng_tracker() -> None:
+    """Shim 2: megatron's inference RNG tracker (fork = null context) when there is no CUDA."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """Shim 3: megatron's causal attention mask ([1, 1, s, s], True = masked), built on `device`."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
