@@ -8,7 +8,7 @@
 #    call of SGLangControl against it: generate, pause/continue, abort, flush, release/resume
 #    memory, update from disk (weights served change, weight_version moves), and, with >= 2 GPUs,
 #    an NCCL broadcast update from a trainer-side group (sglang_weight_group);
-# 3. runs a 3-rollout GRPO run with --rollout-backend sglang.
+# 3. runs 3 rollouts with --rollout-backend sglang without training, then a 3-rollout GRPO run.
 # Without a model dir it uses slime's tiny random Llama (no download). Logs go to $OUT (default
 # outputs/sglang_gpu_check). Exit status 0 only when every step passed.
 set -euo pipefail
@@ -134,18 +134,26 @@ finally:
 sys.exit(0 if ok else 1)
 EOF
 
-echo "== step 3: a 3-rollout GRPO run with --rollout-backend sglang"
 # one GPU: the engine shares it with the train rank; two or more: one each
 PLACE="--rollout-num-gpus 1"
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || PLACE="--colocate"
-python train.py --hf-checkpoint "$MODEL" --prompt-data "$OUT/data.jsonl" --label-key label \
-  --rollout-backend sglang --actor-num-gpus-per-node 1 $PLACE \
-  --advantage-estimator grpo --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 \
-  --num-rollout 3 --rollout-max-response-len 32 --rm-type exact --output-dir "$OUT/grpo" \
-  --sglang-log-level warning
-python - "$OUT/grpo/metrics.jsonl" <<'EOF'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-assert len(rows) == 3, rows
-print("PASS 3 rollouts trained:", [round(r.get("train/loss", float("nan")), 4) for r in rows])
-EOF
+COMMON=(--hf-checkpoint "$MODEL" --prompt-data "$OUT/data.jsonl" --label-key label --rollout-backend sglang
+        --actor-num-gpus-per-node 1 --advantage-estimator grpo --rollout-batch-size 4 --n-samples-per-prompt 4
+        --global-batch-size 16 --num-rollout 3 --rollout-max-response-len 32 --rm-type exact
+        --sglang-log-level warning)
+count_rows() {
+  python -c "import sys; print(sum(1 for _ in open(sys.argv[1])))" "$1/metrics.jsonl" 2>/dev/null || echo 0
+}
+
+echo "== step 3a: 3 rollouts with --rollout-backend sglang, no training (--debug-rollout-only)"
+python train.py "${COMMON[@]}" $PLACE --debug-rollout-only --output-dir "$OUT/rollout_only"
+[ "$(count_rows "$OUT/rollout_only")" = 3 ] && echo "PASS 3 rollouts generated and scored" \
+  || { echo "FAIL rollout-only run"; exit 1; }
+
+echo "== step 3b: a 3-rollout GRPO run with --rollout-backend sglang (trains and pushes weights)"
+if python train.py "${COMMON[@]}" $PLACE --output-dir "$OUT/grpo" && [ "$(count_rows "$OUT/grpo")" = 3 ]; then
+  echo "PASS 3 rollouts trained, weights pushed to SGLang"
+else
+  echo "FAIL GRPO run: see docs/engines/sglang.md, 'What the trainer's push still needs for SGLang'"
+  exit 1
+fi

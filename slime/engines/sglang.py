@@ -11,9 +11,9 @@ Three jobs:
    request bodies of SGLang's request structs (`sglang/srt/managers/io_struct.py`) and
    the answers SGLang gives (JSON, plain text, an empty body or `null`) read the same way.
    The native engine speaks the same protocol; see docs/engines/sglang.md for the gaps.
-3. `weight_sync_mode(args)`, `broadcast_layout(...)` and `sglang_weight_group(...)`: how
-   the trainer reaches SGLang engines with new weights; `register_with_router(...)` adds an
-   engine to a running sglang-router.
+3. `broadcast_layout(...)` and `sglang_weight_group(...)`: the trainer's end of a weight
+   broadcast to SGLang engines (the mode itself is `--update-weights-mode`, resolved by
+   `slime.training.weight_push.resolve_mode`; router registration is `slime.engines.router`).
 
 Flags slime manages (`MANAGED_FLAGS`): giving one through `--sglang-*` is an error naming
 the slime flag to use instead (an override would desynchronise slime's placement, its
@@ -237,26 +237,6 @@ def check_sglang_args(args) -> None:
 # ---------------------------------------------------------------- weight sync
 
 
-WEIGHT_SYNC_MODES = ("tensor", "distributed", "disk")
-
-
-def weight_sync_mode(args, requested: str | None = None) -> str:
-    """How the trainer should push weights to SGLang engines.
-
-    `requested` ('disk' / 'tensor' / 'distributed') wins when it can work; otherwise
-    'tensor' with `--colocate` (the engine and the train rank share the GPU, so SGLang can
-    open the trainer's CUDA tensors by IPC handle) and 'distributed' (NCCL broadcast from
-    train rank 0 to every engine rank) when engines have their own GPUs.
-    """
-    if requested is not None:
-        if requested not in WEIGHT_SYNC_MODES:
-            raise SlimeConfigError(f"weight sync mode must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {requested!r}")
-        if requested == "tensor" and not args.colocate:
-            raise SlimeConfigError("weight sync mode 'tensor' passes CUDA IPC handles and needs --colocate")
-        return requested
-    return "tensor" if args.colocate else "distributed"
-
-
 def broadcast_layout(num_engines: int, tp_size: int) -> tuple[int, list[int]]:
     """(world_size, rank_offset per engine) of the weight-update group: the trainer is rank 0
     and engine i's tensor-parallel rank r joins as `rank_offset[i] + r` (SGLang adds its
@@ -419,23 +399,3 @@ class SGLangControl:
             body["weight_version"] = str(weight_version)
         return _ok(await self.client.post("/update_weights_from_tensor", body), self.client,
                    "/update_weights_from_tensor")
-
-
-async def register_with_router(router_url: str, worker_url: str, timeout: float = 30.0) -> str:
-    """Add an engine to a running sglang-router (`--sglang-router-ip/--sglang-router-port`).
-
-    sglang-router > 0.2.1: `POST /workers {"url": ..., "worker_type": "regular"}`; older
-    routers have only `POST /add_worker?url=...`, tried when /workers answers 404 or 405.
-    Returns the path that registered the engine."""
-    client = EngineClient(router_url, timeout=timeout)
-    try:
-        try:
-            await client._request("POST", "/workers", json={"url": worker_url, "worker_type": "regular"})
-            return "/workers"
-        except EngineError as e:
-            if e.status not in (404, 405):
-                raise
-        await client._request("POST", "/add_worker", params={"url": worker_url})
-        return "/add_worker"
-    finally:
-        await client.close()
