@@ -91,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="megatron sequence parallelism within the tensor-parallel group (GPUs only)")
 
+    g = p.add_argument_group("megatron (--train-backend megatron; docs/megatron.md)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="megatron tensor parallelism: ranks each layer's weights are split over")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="megatron pipeline parallelism (not supported by slime's megatron backend yet: must be 1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="megatron context parallelism (needs Transformer Engine on GPUs; must be 1 here)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="megatron sequence parallelism within the tensor-parallel group (GPUs only)")
+
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
     g.add_argument("--load", default=None,
@@ -496,6 +506,7 @@ def validate(args: Args) -> Args:
     _validate_algorithm(args)
     _validate_async(args)
     _validate_megatron(args)
+    _validate_megatron(args)
     _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
 
@@ -563,6 +574,31 @@ def _validate_batching(args: Args) -> None:
                  "--max-tokens-per-gpu is only used with --use-dynamic-batch-size (add that flag or drop this one)")
     _require(args.max_tokens_per_gpu is None or args.max_tokens_per_gpu >= 1,
              f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
+
+
+def _validate_megatron(args: Args) -> None:
+    """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
+    what the CPU (gloo) build cannot run is refused here with what it needs."""
+    sizes = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
+             "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+             "--context-parallel-size": args.context_parallel_size}
+    for flag, n in sizes.items():
+        _require(n >= 1, f"{flag} must be >= 1, got {n}")
+    if args.train_backend != "megatron":
+        used = [f for f, n in sizes.items() if n != 1] + (["--sequence-parallel"] if args.sequence_parallel else [])
+        _require(not used, f"{', '.join(used)} need --train-backend megatron")
+        return
+    tp, pp, cp = sizes.values()
+    _require(args.dp_size % (tp * pp * cp) == 0,
+             f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
+             f"{args.dp_size} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)")
+    _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
+                      "(it needs megatron's pipeline schedules with a per-stage loss); use tensor and data parallelism")
+    _require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
+                      "megatron-core's local attention has no context-parallel path")
+    _require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
+                                  "megatron yet; use --train-backend fsdp")
 
 
 def _validate_async(args: Args) -> None:

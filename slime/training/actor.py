@@ -67,6 +67,11 @@ def _make_backend(args, rank, world_size, master_addr, master_port, with_ref, va
 
         return MegatronBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
                                value_head=value_head)
+    if args.train_backend == "megatron":
+        from slime.training.megatron.backend import MegatronBackend
+
+        return MegatronBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
+                               value_head=value_head)
     raise SlimeConfigError(f"--train-backend {args.train_backend!r} is not available")
 
 
