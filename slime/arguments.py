@@ -91,16 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="megatron sequence parallelism within the tensor-parallel group (GPUs only)")
 
-    g = p.add_argument_group("megatron (--train-backend megatron; docs/megatron.md)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="megatron tensor parallelism: ranks each layer's weights are split over")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="megatron pipeline parallelism (not supported by slime's megatron backend yet: must be 1)")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="megatron context parallelism (needs Transformer Engine on GPUs; must be 1 here)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="megatron sequence parallelism within the tensor-parallel group (GPUs only)")
-
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
     g.add_argument("--load", default=None,
@@ -219,9 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of one micro-batch with --use-dynamic-batch-size")
     g.add_argument("--balance-data", action="store_true",
                    help="balance tokens across data-parallel ranks within each optimizer step")
-    g.add_argument("--disable-sequence-packing", action="store_true",
-                   help="train on padded [batch, max_len] micro-batches instead of packing each micro-batch's "
-                        "samples into one row without padding (the default, exact)")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -230,13 +217,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--update-weight-buffer-size", type=_size, default=_size("512MB"),
                    help="bytes per weight-sync bucket sent to the engines")
-    g.add_argument("--update-weights-mode", choices=("auto", "tensor", "distributed", "disk"), default="auto",
-                   help="how weights reach the engines: distributed (process-group broadcast; auto without "
-                        "--colocate), disk (safetensors in /dev/shm handed by path, native engine; auto with "
-                        "--colocate), tensor (safetensors bytes over HTTP); docs/cluster.md")
-    g.add_argument("--offload-dir", default=None,
-                   help="--colocate on a CPU-only machine: directory the trainer spills its state to while "
-                        "the engines generate (default: the system temp dir)")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
@@ -434,12 +414,6 @@ def validate(args: Args) -> Args:
             f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
             f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
         )
-    from slime.training.weight_push import resolve_mode
-
-    args.update_weights_mode = resolve_mode(args.update_weights_mode, args.colocate, args.rollout_backend)
-    _require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
-             "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
-             "directories from disk); use tensor or distributed")
 
     # files
     hf = Path(args.hf_checkpoint)
@@ -498,14 +472,12 @@ def validate(args: Args) -> Args:
         f"--global-batch-size {args.global_batch_size} must be divisible by the data-parallel size {args.dp_size}",
     )
     _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
-    _validate_batching(args)
 
     # algorithm
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     _validate_algorithm(args)
     _validate_async(args)
-    _validate_megatron(args)
     _validate_megatron(args)
     _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
@@ -535,45 +507,6 @@ def _data_file(spec: str) -> Path:
     from slime.data.dataset import split_slice
 
     return split_slice(spec)[0]
-
-
-def _validate_megatron(args: Args) -> None:
-    """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
-    what the CPU (gloo) build cannot run is refused here with what it needs."""
-    sizes = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
-             "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-             "--context-parallel-size": args.context_parallel_size}
-    for flag, n in sizes.items():
-        _require(n >= 1, f"{flag} must be >= 1, got {n}")
-    if args.train_backend != "megatron":
-        used = [f for f, n in sizes.items() if n != 1] + (["--sequence-parallel"] if args.sequence_parallel else [])
-        _require(not used, f"{', '.join(used)} need --train-backend megatron")
-        return
-    tp, pp, cp = sizes.values()
-    _require(args.dp_size % (tp * pp * cp) == 0,
-             f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
-             f"{args.dp_size} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)")
-    _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
-                      "(it needs megatron's pipeline schedules with a per-stage loss); use tensor and data parallelism")
-    _require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
-                      "megatron-core's local attention has no context-parallel path")
-    _require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
-                                  "megatron yet; use --train-backend fsdp")
-
-
-def _validate_batching(args: Args) -> None:
-    """--use-dynamic-batch-size / --max-tokens-per-gpu (slime.training.actor). A sample longer than
-    the token budget is not an error: it trains alone in its micro-batch. --balance-data needs no
-    check (with one rank it changes nothing)."""
-    if args.use_dynamic_batch_size:
-        _require(args.max_tokens_per_gpu is not None,
-                 "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
-    else:
-        _require(args.max_tokens_per_gpu is None,
-                 "--max-tokens-per-gpu is only used with --use-dynamic-batch-size (add that flag or drop this one)")
-    _require(args.max_tokens_per_gpu is None or args.max_tokens_per_gpu >= 1,
-             f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
 
 
 def _validate_megatron(args: Args) -> None:
