@@ -418,6 +418,14 @@ def test_health_wait_rides_out_sglang_starting_503():
         srv.server_close()
 
 
+async def _running(client: EngineClient, timeout: float = 60.0) -> None:
+    """Wait until the engine has a request running (not just queued)."""
+    deadline = time.monotonic() + timeout
+    while (await client.get("/get_server_info"))["num_running_requests"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        await asyncio.sleep(0.05)
+
+
 def test_generation_controls_against_native(server):
     url, proc = server
 
@@ -429,15 +437,15 @@ def test_generation_controls_against_native(server):
             payload = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True,
                                                                      "temperature": 0.0}, "rid": "long-1"}
             task = asyncio.create_task(rec.generate(payload))
-            await asyncio.sleep(0.5)
+            await _running(rec)
             await ctl.pause("retract")
             await ctl.continue_generation()
             await ctl.abort("long-1")
             out = await asyncio.wait_for(task, 60)
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
-            assert 0 < out["meta_info"]["completion_tokens"] < 400
+            assert out["meta_info"]["completion_tokens"] < 400
             task = asyncio.create_task(rec.generate(dict(payload, rid="long-2")))
-            await asyncio.sleep(0.5)
+            await _running(rec)
             await ctl.abort()  # abort_all
             out = await asyncio.wait_for(task, 60)
             assert out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -452,7 +460,7 @@ def test_generation_controls_against_native(server):
         return rec.calls
 
     calls = _run(go())
-    assert [(m, p) for m, p, _ in calls if p != "/generate"] == [
+    assert [(m, p) for m, p, _ in calls if p not in ("/generate", "/get_server_info")] == [
         ("POST", "/pause_generation"), ("POST", "/continue_generation"), ("POST", "/abort_request"),
         ("POST", "/abort_request"), ("POST", "/flush_cache")]
     bodies = {p: b for _, p, b in calls if p != "/abort_request"}
