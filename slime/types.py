@@ -119,26 +119,55 @@ class RolloutBatch:
     def select(self, indices: list[int]) -> "RolloutBatch":
         return RolloutBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
 
-    def split_for_ranks(self, dp_size: int, global_batch_size: int) -> list["RolloutBatch"]:
+    def split_for_ranks(self, dp_size: int, global_batch_size: int, balance: bool = False) -> list["RolloutBatch"]:
         """Split for data parallelism, keeping optimizer steps aligned.
 
         The batch holds `num_steps * global_batch_size` samples; step s uses samples
-        [s*gbs, (s+1)*gbs). Rank r gets, for every step s, the contiguous slice
-        [s*gbs + r*gbs/dp, s*gbs + (r+1)*gbs/dp), so every rank's local batch is
-        `num_steps` chunks of `gbs/dp` samples in step order.
+        [s*gbs, (s+1)*gbs). Rank r gets, for every step s, `gbs/dp` of that step's samples,
+        so every rank's local batch is `num_steps` chunks of `gbs/dp` samples in step order:
+        by default the contiguous slice [s*gbs + r*gbs/dp, s*gbs + (r+1)*gbs/dp); with
+        `balance` (`--balance-data`) the step's samples are dealt so that every rank gets
+        about the same number of tokens (`balanced_rank_assignment`). Either way a step
+        trains on the same samples with the same per-token loss weights, so the loss and
+        the gradients do not change, only which rank computes which part of them.
         """
+        return [self.select(idx) for idx in self.rank_indices(dp_size, global_batch_size, balance)]
+
+    def rank_indices(self, dp_size: int, global_batch_size: int, balance: bool = False) -> list[list[int]]:
+        """The sample indices of every rank's local batch (see `split_for_ranks`)."""
         n = len(self)
         if n % global_batch_size or global_batch_size % dp_size:
             raise ValueError(
                 f"cannot split {n} samples into steps of global batch {global_batch_size} over {dp_size} ranks"
             )
         per_rank = global_batch_size // dp_size
-        out = []
-        for r in range(dp_size):
-            idx = [
-                s * global_batch_size + r * per_rank + i
-                for s in range(n // global_batch_size)
-                for i in range(per_rank)
-            ]
-            out.append(self.select(idx))
+        out: list[list[int]] = [[] for _ in range(dp_size)]
+        for s in range(n // global_batch_size):
+            step = list(range(s * global_batch_size, (s + 1) * global_batch_size))
+            if balance:
+                parts = balanced_rank_assignment([len(self.tokens[i]) for i in step], dp_size)
+                for r in range(dp_size):
+                    out[r].extend(step[j] for j in parts[r])
+            else:
+                for r in range(dp_size):
+                    out[r].extend(step[r * per_rank : (r + 1) * per_rank])
         return out
+
+
+def balanced_rank_assignment(lengths: list[int], num_ranks: int) -> list[list[int]]:
+    """Deal items with these token counts to `num_ranks` ranks, the same number of items each,
+    balancing the ranks' token sums: longest first, each to the rank with the fewest tokens
+    among those that still have room (ties: the lower rank). Returns each rank's item
+    positions in ascending order. Deterministic; `len(lengths)` must divide by `num_ranks`.
+    """
+    n = len(lengths)
+    if num_ranks < 1 or n % num_ranks:
+        raise ValueError(f"cannot deal {n} items evenly over {num_ranks} ranks")
+    cap = n // num_ranks
+    parts: list[list[int]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for j in sorted(range(n), key=lambda j: (-lengths[j], j)):
+        r = min((r for r in range(num_ranks) if len(parts[r]) < cap), key=lambda r: (load[r], r))
+        parts[r].append(j)
+        load[r] += lengths[j]
+    return [sorted(p) for p in parts]

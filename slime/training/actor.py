@@ -8,7 +8,8 @@ Per rollout (`train`, role "actor"):
   3. advantages via `ADVANTAGE_ESTIMATORS[args.advantage_estimator]` (or
      `--custom-advantage-function-path`), from rewards, KL(old || ref) when
      `--kl-coef` > 0 and the critic's values (PPO); optionally whitened over all ranks;
-  4. per optimizer step: micro-batches of `args.micro_batch_size` samples, per-token
+  4. per optimizer step: micro-batches of `args.micro_batch_size` samples (or, with
+     `--use-dynamic-batch-size`, of up to `--max-tokens-per-gpu` tokens), per-token
      loss = policy loss (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or
      `--custom-loss-function-path`), weighted by truncated importance sampling against the
      engine's log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with
@@ -40,6 +41,7 @@ from slime.algorithms.losses import (
     POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
 from slime.arguments import num_cpu_threads
+from slime.training.offload import resident
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
 
@@ -109,6 +111,9 @@ class TrainActor:
         return self.backend is not None
 
     def shutdown(self) -> None:
+        for part in ("_pusher", "_offloader"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -116,17 +121,33 @@ class TrainActor:
     # ------------------------------------------------------------ training
 
     def _micro_batches(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
-        m = self.args.micro_batch_size
-        return [indices[i : i + m] for i in range(0, len(indices), m)]
+        """Split `indices` into micro-batches: `--micro-batch-size` samples each in order, or with
+        `--use-dynamic-batch-size` groups of at most `--max-tokens-per-gpu` tokens (prompt +
+        response; a longer sample goes alone). Every rank gets the same number of micro-batches
+        (the FSDP forwards are collective): the largest any rank needs. Collective when dynamic."""
+        args = self.args
+        if not args.use_dynamic_batch_size:
+            m = args.micro_batch_size
+            return [indices[i : i + m] for i in range(0, len(indices), m)]
+        lengths = [len(batch.tokens[i]) for i in indices]
+        groups = token_budget_micro_batches(lengths, args.max_tokens_per_gpu)
+        if self.world_size > 1:
+            counts = torch.zeros(self.world_size)
+            counts[self.rank] = len(groups)
+            want = int(self.backend.all_reduce_sum(counts).max())
+            if want > len(groups):
+                groups = token_budget_micro_batches(lengths, args.max_tokens_per_gpu, want)
+        return [[indices[j] for j in g] for g in groups]
 
     def _mb(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         return MicroBatch([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
 
     def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool) -> list[Tensor]:
-        out: list[Tensor] = []
+        out: list[Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for idx in self._micro_batches(batch, list(range(len(batch)))):
             lp, _ = self.backend.forward_logprobs(self._mb(batch, idx), grad=False, ref=ref)
-            out.extend(lp.detach().cpu().split([batch.response_lengths[i] for i in idx]))
+            for i, part in zip(idx, lp.detach().cpu().split([batch.response_lengths[i] for i in idx])):
+                out[i] = part
         return out
 
     def _check(self, batch: RolloutBatch) -> None:
@@ -190,6 +211,7 @@ class TrainActor:
             out.append(torch.as_tensor(lp, dtype=torch.float32))
         return out
 
+    @resident
     def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
         """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
         args, be = self.args, self.backend
@@ -346,12 +368,14 @@ class TrainActor:
     # ------------------------------------------------------------ critic (role "critic")
 
     def _no_grad_values(self, batch: RolloutBatch) -> list[Tensor]:
-        out: list[Tensor] = []
+        out: list[Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for idx in self._micro_batches(batch, list(range(len(batch)))):
             v = self.backend.forward_values(self._mb(batch, idx), grad=False)
-            out.extend(v.detach().cpu().split([batch.response_lengths[i] for i in idx]))
+            for i, part in zip(idx, v.detach().cpu().split([batch.response_lengths[i] for i in idx])):
+                out[i] = part
         return out
 
+    @resident
     def compute_values(self, rollout_id: int, batch: RolloutBatch) -> list[Tensor]:
         """The critic's per-token values of `batch` before any update (kept as the value-clip anchor)."""
         if self.role != "critic":
@@ -360,6 +384,7 @@ class TrainActor:
         self._old_values = (rollout_id, self._no_grad_values(batch))
         return self._old_values[1]
 
+    @resident
     def train_critic(self, rollout_id: int, batch: RolloutBatch, returns: list[Tensor]) -> dict[str, float]:
         """Regress values on `returns` (clipped value loss, `--value-clip`), same steps as the actor."""
         args, be = self.args, self.backend
@@ -406,37 +431,92 @@ class TrainActor:
 
     # ------------------------------------------------------------ weights and checkpoints
 
+    @resident
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict:
-        from slime.training.weight_sync import sync_weights
+        """Push the weights by `--update-weights-mode` (slime/training/weight_push.py). Collective."""
+        if getattr(self, "_pusher", None) is None:
+            from slime.training.weight_push import WeightPusher
 
-        return sync_weights(
-            self.backend.named_weights(),
-            engine_urls,
-            weight_version,
-            self.args.update_weight_buffer_size,
-            send=self.rank == 0,
-        )
+            self._pusher = WeightPusher(self.args, self.rank)
+        return self._pusher.push(self.backend.named_weights(), engine_urls, weight_version)
 
+    # ------------------------------------------------------------ colocated memory handoff
+
+    def offload(self) -> dict:
+        """--colocate: free this rank's parameters, optimizer state and reference model while the
+        engines generate (slime/training/offload.py). Returns {"bytes", "seconds", "rss"}."""
+        from slime.training.offload import Offloader, backend_tensors, rss_bytes
+
+        if getattr(self, "_offloader", None) is None:
+            self._offloader = Offloader(getattr(self.args, "offload_dir", None))
+        stats = self._offloader.offload(backend_tensors(self.backend))
+        return dict(stats, rss=rss_bytes())
+
+    def onload(self) -> dict:
+        """Undo `offload` (bitwise). Returns {"bytes", "seconds", "rss"}."""
+        from slime.training.offload import rss_bytes
+
+        off = getattr(self, "_offloader", None)
+        stats = off.onload() if off is not None else {"bytes": 0, "seconds": 0.0}
+        return dict(stats, rss=rss_bytes())
+
+    @resident
     def check_weights(self, engine_urls: list[str]) -> int:
         """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
         from slime.training.weight_sync import check_engine_weights
 
         return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
 
+    @resident
     def save(self, path: str) -> None:
         """Model and optimizer (the backend's format) plus this rank's RNG states."""
         self.backend.save(path)
         torch.save(rng_states(), os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt"))
 
+    @resident
     def load(self, path: str) -> None:
         self.backend.load(path)
         rng_path = os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt")
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
             set_rng_states(torch.load(rng_path, weights_only=False))
 
+    @resident
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full model (and optimizer) state dicts on rank 0 (empty elsewhere). Collective; for tests/tools."""
         return self.backend.full_state(optimizer)
+
+
+def token_budget_micro_batches(lengths: list[int], budget: int, min_groups: int = 0) -> list[list[int]]:
+    """Group item positions so that each group's token sum is <= `budget` (an item longer than
+    the budget forms a group alone), in as few groups as first-fit decreasing finds; then, while
+    there are fewer than `min_groups` groups, the group with the most tokens (and >= 2 items) is
+    halved by tokens. Groups hold ascending positions and are ordered by their first position.
+    Deterministic, so every call with the same lengths gives the same micro-batches."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    if min_groups > len(lengths):
+        raise ValueError(f"cannot make {min_groups} non-empty micro-batches of {len(lengths)} samples")
+    groups: list[list[int]] = []
+    sums: list[int] = []
+    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        k = next((k for k in range(len(groups)) if sums[k] + lengths[j] <= budget), None)
+        if k is None:
+            groups.append([])
+            sums.append(0)
+            k = len(groups) - 1
+        groups[k].append(j)
+        sums[k] += lengths[j]
+    while len(groups) < min_groups:
+        k = max((k for k in range(len(groups)) if len(groups[k]) > 1), key=lambda k: (sums[k], -k))
+        halves: list[list[int]] = [[], []]
+        loads = [0, 0]
+        for j in groups[k]:  # already longest first
+            h = 1 if halves[0] and not halves[1] else (0 if loads[0] <= loads[1] else 1)
+            halves[h].append(j)
+            loads[h] += lengths[j]
+        groups[k:k + 1] = halves
+        sums[k:k + 1] = loads
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
 def rng_states() -> dict:

@@ -6,6 +6,16 @@ Parameters stay fp32 (master weights); gloo on CPU, NCCL (+ gloo for CPU tensors
 on CUDA. The model is kept in eval mode throughout (no dropout), so a no-grad pass
 and a training pass over the same weights give identical log-probs.
 
+Sequence packing (default): a micro-batch is one row of all its samples' tokens, no
+padding, with `position_ids` that restart at 0 for every sample and no attention
+mask. transformers' masking utilities read the restarts as sequence boundaries and
+build a block-diagonal causal mask (sdpa/eager; flash-attention would use varlen
+kernels from the same `position_ids`, but it needs fp16/bf16 and the weights here are
+fp32). Logits are computed only at the positions that score response tokens. At start
+the backend checks once that the model honours packing (packed == separate forward of
+two short sequences) and otherwise falls back to padded [B, T] rows with an attention
+mask, as it does with `--disable-sequence-packing`.
+
 Interface used by `slime.training.actor.TrainActor` (DESIGN §4):
     forward_logprobs(mb, ...) -> (log_probs Tensor[N], entropy Tensor[N] | None)
     train_step(micro_batches, loss_fn, ...) -> grad_norm
@@ -104,6 +114,11 @@ class FSDPBackend:
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.pack = not getattr(args, "disable_sequence_packing", False)
+        if self.pack and not self._packing_is_exact():
+            logger.warning("%s ignores packed position_ids here; training on padded rows instead",
+                           type(model).__name__)
+            self.pack = False
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -149,6 +164,12 @@ class FSDPBackend:
         if not self.value_head:
             raise RuntimeError("forward_values needs a backend built with value_head=True")
         with torch.set_grad_enabled(grad):
+            if self.pack:
+                ids, pos, score = self._pack(mb)
+                if score.numel() == 0:
+                    out = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+                    return out.new_zeros(0, dtype=torch.float32) + 0.0 * out.sum()
+                return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, score, 0].float()
             ids, attn, prompt_lens = self._pad(mb)
             out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[..., 0]  # [B, t]
             values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
@@ -157,13 +178,55 @@ class FSDPBackend:
                 values = values + 0.0 * out.sum()
             return values.float()
 
-    def _pad(self, mb) -> tuple[Tensor, Tensor, list[int]]:
+    @staticmethod
+    def _layout(mb) -> tuple[list[int], list[int]]:
+        """Token counts and prompt lengths of a micro-batch's samples (validated)."""
         lens = [len(t) for t in mb.tokens]
+        if not lens:
+            raise ValueError("empty micro-batch")
         prompt_lens = [n - r for n, r in zip(lens, mb.response_lengths)]
         for i, (p, r) in enumerate(zip(prompt_lens, mb.response_lengths)):
             if p < 1 or r < 0:
                 raise ValueError(f"sample {i} of the micro-batch: {lens[i]} tokens, response length {r} "
                                  "(a response needs at least one prompt token before it)")
+        return lens, prompt_lens
+
+    def _pack(self, mb) -> tuple[Tensor, Tensor, Tensor]:
+        """One packed row: input ids [1, N], position ids [1, N] restarting per sample, and the
+        positions (Tensor[sum(response_lengths)]) whose logits score the response tokens, in
+        sample order (response token t of a sample is scored at its position t - 1)."""
+        lens, prompt_lens = self._layout(mb)
+        ids = torch.as_tensor([tok for toks in mb.tokens for tok in toks], dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in lens])
+        score, offset = [], 0
+        for n, p, r in zip(lens, prompt_lens, mb.response_lengths):
+            score.append(torch.arange(offset + p - 1, offset + p - 1 + r))
+            offset += n
+        return ids[None].to(self.device), pos[None].to(self.device), torch.cat(score).to(self.device)
+
+    @torch.no_grad()
+    def _packing_is_exact(self) -> bool:
+        """Whether a packed row gives the same outputs as separate forwards (collective: every
+        rank runs the same tiny forwards)."""
+        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        if vocab < 2:
+            return False
+        g = torch.Generator().manual_seed(1234)
+        seqs = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (5, 3, 6)]
+        ids = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)[None].to(self.device)
+        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(self.device)
+        try:
+            packed = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+        except Exception as e:  # noqa: BLE001 - any failure means: do not pack
+            logger.warning("packed forward failed (%s: %s)", type(e).__name__, e)
+            return False
+        alone = torch.cat([self.model(input_ids=torch.as_tensor(s, device=self.device)[None],
+                                      use_cache=False).logits[0].float() for s in seqs])
+        scale = float(alone.abs().max()) + 1.0
+        return bool((packed - alone).abs().max() <= 1e-4 * scale)
+
+    def _pad(self, mb) -> tuple[Tensor, Tensor, list[int]]:
+        lens, prompt_lens = self._layout(mb)
         b, t = len(lens), max(lens)
         ids = torch.full((b, t), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((b, t), dtype=torch.long)
@@ -172,7 +235,32 @@ class FSDPBackend:
             attn[i, : lens[i]] = 1
         return ids.to(self.device), attn.to(self.device), prompt_lens
 
+    def _forward_packed(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
+        ids, pos, score = self._pack(mb)
+        keep = score if score.numel() else 1  # no response token: keep the graph (FSDP) with one position
+        if self._supports_logits_to_keep:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits[0]
+        else:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            logits = logits[score] if score.numel() else logits[-1:]
+        if not score.numel():
+            log_probs = logits.new_zeros(0, dtype=torch.float32)
+            if torch.is_grad_enabled():
+                log_probs = log_probs + 0.0 * logits.sum()
+            return log_probs, (log_probs.detach().clone() if with_entropy else None)
+        tgt = ids[0, score + 1]
+        if with_entropy and entropy_grad:
+            return compute_log_probs_and_entropy(logits, tgt, self.temperature)
+        log_probs = compute_log_probs(logits, tgt, self.temperature)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = compute_entropy(logits.detach(), self.temperature)
+        return log_probs, entropy
+
     def _forward(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
+        if self.pack:
+            return self._forward_packed(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad)
         ids, attn, prompt_lens = self._pad(mb)
         b, t = ids.shape
 
