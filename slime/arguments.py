@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of one micro-batch with --use-dynamic-batch-size")
     g.add_argument("--balance-data", action="store_true",
                    help="balance tokens across data-parallel ranks within each optimizer step")
+    g.add_argument("--disable-sequence-packing", action="store_true",
+                   help="train on padded [batch, max_len] micro-batches instead of packing each micro-batch's "
+                        "samples into one row without padding (the default, exact)")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -472,6 +475,7 @@ def validate(args: Args) -> Args:
         f"--global-batch-size {args.global_batch_size} must be divisible by the data-parallel size {args.dp_size}",
     )
     _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+    _validate_batching(args)
 
     # algorithm
     if args.eps_clip_high is None:
@@ -532,6 +536,20 @@ def _validate_megatron(args: Args) -> None:
     _require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
     _require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
                                   "megatron yet; use --train-backend fsdp")
+
+
+def _validate_batching(args: Args) -> None:
+    """--use-dynamic-batch-size / --max-tokens-per-gpu (slime.training.actor). A sample longer than
+    the token budget is not an error: it trains alone in its micro-batch. --balance-data needs no
+    check (with one rank it changes nothing)."""
+    if args.use_dynamic_batch_size:
+        _require(args.max_tokens_per_gpu is not None,
+                 "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
+    else:
+        _require(args.max_tokens_per_gpu is None,
+                 "--max-tokens-per-gpu is only used with --use-dynamic-batch-size (add that flag or drop this one)")
+    _require(args.max_tokens_per_gpu is None or args.max_tokens_per_gpu >= 1,
+             f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
 
 
 def _validate_async(args: Args) -> None:
