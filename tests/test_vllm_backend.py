@@ -24,6 +24,7 @@ from slime.engines.vllm import (
     INSTALL_SCRIPT,
     VllmNotInstalled,
     adapter_command,
+    check_vllm_args,
     forwarded_vllm_flags,
     vllm_command,
     vllm_python,
@@ -34,6 +35,7 @@ from slime.engines.vllm_translate import (
     safetensors_names,
     to_completion_request,
 )
+from slime.utils.errors import SlimeConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +55,7 @@ def test_forwarded_flags_defaults_and_managed():
     assert flags == ["--logprobs-mode", "processed_logprobs", "--max-model-len", "256", "--enforce-eager"]
     assert forwarded_vllm_flags({"logprobs_mode": "raw_logprobs"}) == ["--logprobs-mode", "raw_logprobs"]
     for key in ("model", "port", "host", "served_model_name", "worker_extension_cls"):
-        with pytest.raises(ValueError, match=f"--vllm-{key.replace('_', '-')} is set by slime"):
+        with pytest.raises(SlimeConfigError, match=f"--vllm-{key.replace('_', '-')} is set by slime"):
             forwarded_vllm_flags({key: "x"})
 
 
@@ -89,6 +91,13 @@ def test_missing_venv_names_install_script(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIME_VLLM_VENV", str(tmp_path / "nowhere"))
     with pytest.raises(VllmNotInstalled, match=INSTALL_SCRIPT):
         vllm_python()
+    args = SimpleNamespace(vllm_args={})
+    with pytest.raises(SlimeConfigError, match="SLIME_VLLM_VENV"):
+        check_vllm_args(args)
+    monkeypatch.setenv("SLIME_VLLM_VENV", str(fake_venv(tmp_path)))
+    check_vllm_args(args)
+    with pytest.raises(SlimeConfigError, match=r"--vllm-port is set by slime \(vLLM listens on a private"):
+        check_vllm_args(SimpleNamespace(vllm_args={"port": "1"}))
 
 
 def test_adapter_command_sleep_mode_flag(tmp_path):

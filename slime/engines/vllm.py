@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from slime.utils.errors import SlimeConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = "scripts/install_vllm_cpu.sh"
 WORKER_EXTENSION = "slime.engines.vllm_worker.SlimeWorkerExtension"
@@ -25,11 +27,11 @@ SERVED_MODEL_NAME = "slime"
 
 # Set by slime; giving them again through --vllm-* is an error naming the flag.
 MANAGED_FLAGS = {
-    "model": "--hf-checkpoint",
-    "host": "(slime binds vLLM to a private loopback port)",
-    "port": "(slime binds vLLM to a private loopback port)",
-    "served_model_name": "(the adapter names the model itself)",
-    "worker_extension_cls": "(slime's weight loader needs its own extension)",
+    "model": "from --hf-checkpoint",
+    "host": "vLLM listens on a private loopback port behind the adapter",
+    "port": "vLLM listens on a private loopback port behind the adapter",
+    "served_model_name": "the adapter names the model",
+    "worker_extension_cls": "slime's weight loader is a worker extension",
 }
 # slime's defaults, overridable through --vllm-*.
 DEFAULT_FLAGS = {
@@ -43,8 +45,8 @@ DEFAULT_ENV = {
 }
 
 
-class VllmNotInstalled(RuntimeError):
-    pass
+class VllmNotInstalled(SlimeConfigError):
+    """No vLLM venv where slime looks for one (a user-facing one-line error)."""
 
 
 def vllm_venv() -> Path:
@@ -65,12 +67,12 @@ def vllm_python() -> str:
 
 def forwarded_vllm_flags(vllm_args: dict) -> list[str]:
     """`args.vllm_args` ({key_with_underscores: value | True}) -> vLLM server flags, with slime's
-    defaults for the keys not given. A slime-managed key is a ValueError naming the flag."""
+    defaults for the keys not given. A slime-managed key is a SlimeConfigError naming the flag."""
     flags: list[str] = []
     merged = dict(DEFAULT_FLAGS)
     for key, value in vllm_args.items():
         if key in MANAGED_FLAGS:
-            raise ValueError(f"--vllm-{key.replace('_', '-')} is set by slime {MANAGED_FLAGS[key]}; remove it")
+            raise SlimeConfigError(f"--vllm-{key.replace('_', '-')} is set by slime ({MANAGED_FLAGS[key]}); remove it")
         merged[key] = value
     for key, value in merged.items():
         if value is False or value is None:
@@ -123,6 +125,13 @@ def adapter_command(model_path: str, host: str, port: int, seed: int, vllm_args:
         "--",
         *vllm_server_command(python or vllm_python(), model_path, seed, vllm_args),
     ]
+
+
+def check_vllm_args(args) -> None:
+    """Parse-time check for `--rollout-backend vllm` (cheap: no vLLM import): the venv exists and
+    no --vllm-* flag names a slime-managed one. Raises SlimeConfigError naming the problem."""
+    vllm_python()
+    forwarded_vllm_flags(args.vllm_args)
 
 
 def vllm_command(args, rank: int, host: str, port: int) -> list[str]:
