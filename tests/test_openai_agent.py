@@ -109,7 +109,7 @@ def test_episode_becomes_one_sample_masking_exactly_the_model_tokens(server, tok
     assert rec.calls[1].output_ids[-1] == eos
     last = rec.calls[-1]
     assert s.status == (SampleStatus.TRUNCATED if last.finish_reason == "length" else SampleStatus.COMPLETED)
-    assert s.weight_version == 0
+    assert s.weight_version == 0 and s.weight_versions == [0]
 
     # the same seeds give the same episode: the recorder passes sampling_seed + call number as the seed
     rec2, _ = asyncio.run(main())

@@ -124,7 +124,10 @@ async def run_tool_loop(args, sample: Sample, sampling_params: dict, tools: dict
         if left <= 0:
             sample.status = SampleStatus.TRUNCATED
             break
-        out = await continue_sample(sample, {**sampling_params, "max_new_tokens": left})
+        params = {**sampling_params, "max_new_tokens": left}
+        if params.get("sampling_seed") is not None:  # a fresh seed per turn, or every turn draws the same noise
+            params["sampling_seed"] = int(params["sampling_seed"]) + turns
+        out = await continue_sample(sample, params)
         turns += 1
         calls = parse(out.text)
         if out.finish_reason != "stop" or not calls or turns == max_turns:

@@ -192,6 +192,8 @@ class TrajectoryRecorder:
                 s.append_model_tokens(call.output_ids, call.log_probs)
                 s.status = _STATUS.get(call.finish_reason, SampleStatus.COMPLETED)
                 s.weight_version = call.weight_version
+                if call.weight_version is not None and s.weight_versions[-1:] != [call.weight_version]:
+                    s.weight_versions = s.weight_versions + [call.weight_version]
             if self.max_response_len is not None and s.response_length > self.max_response_len:
                 cut = s.response_length - self.max_response_len
                 s.tokens, s.response_length = s.tokens[:-cut], self.max_response_len
