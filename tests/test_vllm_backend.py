@@ -477,19 +477,27 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
         assert meta2["weight_version"] == "1" and greedy2 != greedy
         assert max(abs(a - b) for a, b in zip(lps2, hf_logprobs(hf, prompt, greedy2, 1.0))) < 1e-4
 
-        # paused: a request waits; abort-all ends it with finish_reason abort; generation continues after
+        # paused: requests wait; abort by rid ends that one, abort-all the rest, each with finish_reason
+        # abort and its (partial) tokens; generation goes on after continue
         assert http(url, "/pause_generation", {})[0] == 200
-        res = {}
-        th = threading.Thread(target=lambda: res.update(r=http(url, "/generate", {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": 200, "ignore_eos": True}, "return_logprob": True})))
-        th.start()
+        res, threads = {}, []
+        for rid in ("a", "b"):
+            body = {"input_ids": prompt, "rid": rid, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+            threads.append(threading.Thread(target=lambda rid=rid, body=body: res.update({rid: http(url, "/generate", body)})))
+            threads[-1].start()
         time.sleep(2.0)
-        assert th.is_alive()  # held by the pause
+        assert threads[0].is_alive() and threads[1].is_alive()  # held by the pause
+        assert http(url, "/abort_request", {"rid": "a"})[1]["num_aborted"] == 1
+        threads[0].join(60)
+        assert res["a"][1]["meta_info"]["finish_reason"]["type"] == "abort" and threads[1].is_alive()
         assert http(url, "/abort_request", {"abort_all": True})[0] == 200
-        th.join(60)
-        status, out = res["r"]
-        assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert len(out["output_ids"]) < 200 and len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+        threads[1].join(60)
+        for rid in ("a", "b"):
+            status, out = res[rid]
+            assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["id"] == rid
+            assert len(out["output_ids"]) < 200
+            assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
         assert http(url, "/continue_generation", {})[0] == 200
         assert gen(0.0)[0] == greedy2
         assert http(url, "/release_memory_occupation", {})[0] == 501
