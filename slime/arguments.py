@@ -220,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--update-weight-buffer-size", type=_size, default=_size("512MB"),
                    help="bytes per weight-sync bucket sent to the engines")
+    g.add_argument("--update-weights-mode", choices=("auto", "tensor", "distributed", "disk"), default="auto",
+                   help="how weights reach the engines: distributed (process-group broadcast; auto without "
+                        "--colocate), disk (safetensors in /dev/shm handed by path, native engine; auto with "
+                        "--colocate), tensor (safetensors bytes over HTTP); docs/cluster.md")
+    g.add_argument("--offload-dir", default=None,
+                   help="--colocate on a CPU-only machine: directory the trainer spills its state to while "
+                        "the engines generate (default: the system temp dir)")
 
     g = p.add_argument_group("algorithm")
     g.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
@@ -417,6 +424,12 @@ def validate(args: Args) -> Args:
             f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
             f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
         )
+    from slime.training.weight_push import resolve_mode
+
+    args.update_weights_mode = resolve_mode(args.update_weights_mode, args.colocate, args.rollout_backend)
+    _require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
+             "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
+             "directories from disk); use tensor or distributed")
 
     # files
     hf = Path(args.hf_checkpoint)

@@ -3,6 +3,13 @@
 `Run(args)` starts everything (Ray, placement, the RolloutManager and its engines, the train
 ranks, resume from `--load`, metrics) and offers the loop's steps by name: `generate`, `train`,
 `push_weights`, `finish_rollout` (log, save, evaluate). The drivers stay a readable loop.
+
+With `--colocate` the engines and the train ranks share devices and take turns with the memory
+(docs/cluster.md): `train` first has the engines release their KV cache and weights and the
+ranks take their state back (`before_train`); `push_weights` brings the engines' weights back,
+pushes the new ones, offloads the ranks and then gives the engines their KV cache again
+(`before_generate`), so the next generation runs with the trainer offloaded. The memory each
+side holds at every turn is measured and logged (`memory/*`, `perf/*load*`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
 from slime.ray.actor_group import NoTraining, TrainGroup
 from slime.ray.calls import get
+from slime.training import offload
 from slime.rollout.manager import RolloutManager
 
 
@@ -39,8 +47,10 @@ class Run:
         self.actor.init()
         self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)
         self.logger = MetricsLogger.from_args(args, self.start_rollout_id)
+        self.handoff: dict[str, float] = {}  # --colocate: memory and times of the last turns
         print(f"slime: {len(self.engine_urls)} engine(s) at {', '.join(self.engine_urls) or '-'}; "
-              f"{args.dp_size} train rank(s); metrics in {self.logger.path}")
+              f"{args.dp_size} train rank(s){'; colocated' if args.colocate else ''}; weights by "
+              f"{args.update_weights_mode}; metrics in {self.logger.path}")
 
     def rollout_ids(self):
         args = self.args
@@ -55,8 +65,46 @@ class Run:
         return get(ref, f"rollout {rollout_id}", "RolloutManager", self.args.stage_timeout,
                    progress=self.rollout.progress.remote)
 
+    def _colocated(self) -> bool:
+        return bool(self.args.colocate and self.engine_urls and hasattr(self.actor, "offload"))
+
+    def _engine_memory(self, endpoint: str, tags: list[str] | None) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from slime.engines.client import post_json
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(self.engine_urls)) as pool:
+            list(pool.map(lambda u: post_json(u, endpoint, {"tags": tags}, self.args.stage_timeout or 600.0),
+                          self.engine_urls))
+        return time.perf_counter() - start
+
+    def before_train(self) -> None:
+        """--colocate: the engines release their KV cache and weights, the train ranks onload."""
+        if not self._colocated():
+            return
+        h = self.handoff
+        h["memory/engine_rss_mb_serving"] = offload.engines_rss_mb(self.engine_urls)
+        h["perf/engine_release_time"] = self._engine_memory("/release_memory_occupation", ["kv_cache", "weights"])
+        h["memory/engine_rss_mb_released"] = offload.engines_rss_mb(self.engine_urls)
+        stats = self.actor.onload()
+        h["perf/onload_time"], h["memory/train_rss_mb_training"] = stats["seconds"], stats["rss"] / 2**20
+
+    def before_generate(self) -> None:
+        """--colocate: the train ranks offload, the engines take their KV cache back (their weights
+        are already back: `push_weights` resumes them before it pushes)."""
+        if not self._colocated():
+            return
+        h = self.handoff
+        stats = self.actor.offload()
+        h["perf/offload_time"], h["memory/train_rss_mb_offloaded"] = stats["seconds"], stats["rss"] / 2**20
+        h["memory/train_offloaded_mb"] = stats["bytes"] / 2**20
+        h["perf/engine_resume_time"] = self._engine_memory("/resume_memory_occupation", ["kv_cache"])
+        h["memory/engine_rss_mb_resumed"] = offload.engines_rss_mb(self.engine_urls)
+
     def train(self, rollout_id: int, data_refs) -> dict[str, float]:
         start = time.perf_counter()
+        self.before_train()
         metrics = self.actor.train(rollout_id, data_refs)
         metrics["perf/train_time"] = time.perf_counter() - start
         return metrics
@@ -66,11 +114,16 @@ class Run:
         seconds it took. SFT and --debug-train-only start no engines: nothing to push."""
         start = time.perf_counter()
         if self.engine_urls:
-            self.actor.update_weights(self.engine_urls, weight_version=version)
+            if self._colocated():  # released weights come back before they are overwritten
+                self._engine_memory("/resume_memory_occupation", ["weights"])
+            stats = self.actor.update_weights(self.engine_urls, weight_version=version) or {}
+            self.handoff.update({f"weights/{k}": float(stats[k]) for k in ("buckets", "bytes") if k in stats})
             if self.args.check_weight_update_equal:
                 self.actor.check_weights(self.engine_urls)
             ray.get(self.rollout.set_weight_version.remote(version))
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.before_generate()
+        return elapsed
 
     def evaluate(self, trained_rollouts: int) -> None:
         args = self.args
@@ -92,6 +145,7 @@ class Run:
     def finish_rollout(self, rollout_id: int, record: dict) -> None:
         """Log the rollout's record, save when due, evaluate when due."""
         args = self.args
+        record = {**{k: v for k, v in self.handoff.items() if v is not None}, **record}
         self.logger.log(rollout_id, {"rollout_id": rollout_id, **record})
         tqdm.write(console_line(rollout_id, record))
         last = rollout_id + 1 == args.num_rollout

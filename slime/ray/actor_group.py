@@ -146,6 +146,22 @@ class TrainGroup:
         {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}."""
         return self._all("update_weights", list(engine_urls), weight_version)[0]
 
+    def offload(self) -> dict[str, float]:
+        """--colocate: every rank (and the critic's) frees its model and optimizer memory while the
+        engines generate; returns {"bytes", "seconds", "rss"} summed over ranks (seconds: max)."""
+        return self._sum_stats("offload")
+
+    def onload(self) -> dict[str, float]:
+        """Undo `offload` before training; same return as `offload`."""
+        return self._sum_stats("onload")
+
+    def _sum_stats(self, method: str) -> dict[str, float]:
+        stats = self._all(method)
+        if self.critic is not None:
+            stats += self.critic._all(method)
+        return {"bytes": sum(s["bytes"] for s in stats), "rss": sum(s["rss"] for s in stats),
+                "seconds": max(s["seconds"] for s in stats)}
+
     def check_weights(self, engine_urls: list[str]) -> int:
         """`--check-weight-update-equal`: every engine's weights equal the trainer's, bit for bit
         (a mismatch is an error naming the engine and parameters); returns parameters compared."""

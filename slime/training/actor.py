@@ -480,7 +480,7 @@ class TrainActor:
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
             set_rng_states(torch.load(rng_path, weights_only=False))
 
-    @resident
+    @resident(stay=True)  # in-process callers may get views of the weights
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full model (and optimizer) state dicts on rank 0 (empty elsewhere). Collective; for tests/tools."""
         return self.backend.full_state(optimizer)

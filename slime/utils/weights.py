@@ -9,7 +9,7 @@ import torch
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 over dtype, shape and the raw bytes of the tensor (on CPU, contiguous)."""
-    t = tensor.detach().to("cpu").contiguous()
+    t = tensor.detach().to("cpu", copy=True).contiguous()  # a copy: .numpy() pins the storage's size
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

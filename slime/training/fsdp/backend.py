@@ -119,6 +119,7 @@ class FSDPBackend:
             logger.warning("%s ignores packed position_ids here; training on padded rows instead",
                            type(model).__name__)
             self.pack = False
+        model.reshard()  # FSDP2 leaves the root's parameters unsharded after a forward; the optimizer needs the shards
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),

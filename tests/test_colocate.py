@@ -1,0 +1,173 @@
+"""Colocated memory handoff: the trainer's offload/onload (bitwise, RSS measured), the weight-push
+modes against a real native engine (tensor, distributed broadcast, /dev/shm by path), and the
+mode each run shape gets."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from slime.training.offload import Offloader, backend_tensors, rss_bytes, trim_heap
+
+MB = 1 << 20
+
+
+def _args(model, data, *extra):
+    from slime.arguments import parse_args
+
+    argv = ["train.py", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt",
+            "--label-key", "label", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--global-batch-size", "4", "--num-rollout", "1", *extra]
+    old = sys.argv
+    sys.argv = argv
+    try:
+        return parse_args()
+    finally:
+        sys.argv = old
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"1+{i}=", "label": str(1 + i)}) + "\n" for i in range(8)))
+    return path
+
+
+def test_offloader_frees_rss_and_restores_bits(tmp_path):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4 << 20)) for _ in range(6)]  # 6 x 16 MiB
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    sum(p.sum() for p in params).backward()
+    opt.step()  # creates exp_avg / exp_avg_sq (2 x 96 MiB)
+    opt.zero_grad(set_to_none=True)
+    tensors = params + [v for st in opt.state.values() for v in st.values()]
+    before = [t.detach().clone() for t in tensors]
+    expected = sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
+    trim_heap()
+    rss0 = rss_bytes()
+
+    off = Offloader(str(tmp_path))
+    stats = off.offload(tensors)
+    rss1 = rss_bytes()
+    assert off.is_offloaded and stats["bytes"] >= expected
+    assert all(t.untyped_storage().nbytes() == 0 for t in params)
+    assert rss0 - rss1 > 0.9 * expected, (rss0 / MB, rss1 / MB, expected / MB)  # really gone from RAM
+    assert off.offload(tensors)["bytes"] == 0  # idempotent
+
+    back = off.onload()
+    rss2 = rss_bytes()
+    assert back["bytes"] == stats["bytes"] and not off.is_offloaded
+    assert rss2 - rss1 > 0.9 * expected
+    for t, b in zip(tensors, before):
+        assert torch.equal(t.detach(), b)
+    assert not list(tmp_path.iterdir())  # the spill file is removed
+    # the optimizer still owns the same tensors and keeps stepping
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, tmp_path):
+    """A real FSDP rank (world size 1): offload frees params + optimizer + the mmap'd reference
+    model, @resident methods still work while offloaded, onload is bitwise."""
+    from slime.training.actor import TrainActor
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = _args(tiny_model_dir, data_file, "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.01")
+    from slime.engines.launcher import free_port
+
+    actor = TrainActor(args, 0, 1, master_port=free_port("127.0.0.1"))
+    actor.init()
+    try:
+        be = actor.backend
+        # one optimizer step so there is optimizer state to offload
+        be.model.zero_grad()
+        from slime.training.actor import MicroBatch
+
+        mb = MicroBatch([[1, 5, 6, 7, 8]], [3])
+        be.train_step([mb], lambda k, lp, ent: -lp.sum())
+        from slime.training.offload import _local
+
+        tensors = backend_tensors(be)
+        before = [_local(t).detach().clone() for t in tensors]
+        assert any(isinstance(v, torch.Tensor) and v.dim() > 0 for st in be.optimizer.state.values()
+                   for v in st.values())  # exp_avg / exp_avg_sq exist
+        n_bytes = sum(_local(t).untyped_storage().nbytes() for t in tensors)
+
+        stats = actor.offload()
+        assert actor._offloader.is_offloaded
+        assert 0.9 * n_bytes <= stats["bytes"] <= n_bytes
+        assert be.ref_model is not None
+        assert all(p.untyped_storage().nbytes() == 0 for p in be.ref_model.parameters())
+        assert all(_local(p).untyped_storage().nbytes() == 0 for p in be.model.parameters())
+        # a @resident call while offloaded onloads for the call and offloads again
+        assert actor.check_weights([]) == len(list(be.model.parameters()))
+        assert actor._offloader.is_offloaded
+
+        back = actor.onload()
+        assert back["bytes"] == stats["bytes"] and not actor._offloader.is_offloaded
+        for t, b in zip(backend_tensors(be), before):
+            assert torch.equal(_local(t).detach(), b)
+        # and training goes on from the restored state
+        assert torch.isfinite(torch.tensor(be.train_step([mb], lambda k, lp, ent: -lp.sum())))
+    finally:
+        actor.shutdown()
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ((False, "native"), "distributed"), ((True, "native"), "disk"), ((False, "sglang"), "distributed"),
+    ((True, "sglang"), "tensor"), ((False, "vllm"), "tensor"),
+])
+def test_auto_mode_per_run_shape(shape, expected):
+    from slime.training.weight_push import resolve_mode
+
+    assert resolve_mode("auto", *shape) == expected
+    assert resolve_mode("tensor", *shape) == "tensor"
+
+
+def test_flags_resolve_and_refuse(tiny_model_dir, data_file):
+    from slime.utils.errors import SlimeConfigError
+
+    assert _args(tiny_model_dir, data_file).update_weights_mode == "distributed"
+    assert _args(tiny_model_dir, data_file, "--colocate").update_weights_mode == "disk"
+    assert _args(tiny_model_dir, data_file, "--update-weights-mode", "tensor").update_weights_mode == "tensor"
+    with pytest.raises(SlimeConfigError, match="--update-weights-mode disk needs --rollout-backend native"):
+        _args(tiny_model_dir, data_file, "--update-weights-mode", "disk", "--rollout-backend", "vllm")
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_path):
+    """Each mode puts new weights into a running native engine, bucket by bucket, checked by the
+    engine's checksums; the distributed group is made once and reused."""
+    from slime.engines.client import get_json
+    from slime.training.weight_push import WeightPusher
+    from slime.utils.weights import tensor_digest
+    from tests._native_server import native_server
+    from transformers import AutoModelForCausalLM
+
+    args = _args(tiny_model_dir, data_file, "--update-weights-mode", mode, "--update-weight-buffer-size", "256KiB")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    pusher = WeightPusher(args, rank=0)
+    with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _proc):
+        try:
+            for version in (1, 2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * version)
+                stats = pusher.push(list(model.named_parameters()), [url], version)
+                assert stats["bytes"] == total
+                assert stats["buckets"] >= total // (256 << 10) >= 4  # several bounded buckets
+                served = get_json(url, "/weights_checksum")["checksums"]
+                assert served == {n: tensor_digest(p) for n, p in model.named_parameters()}
+                assert get_json(url, "/get_weight_version")["weight_version"] == str(version)
+                if mode == "distributed":
+                    group = pusher._group
+                    assert group is not None and (version == 1 or group is first_group)
+                    first_group = group
+        finally:
+            pusher.close()
