@@ -177,6 +177,25 @@ def test_rewritten_history_starts_a_new_sample(server, tokenizer):
     assert a.response == tokenizer.decode(a.response_tokens, skip_special_tokens=False)
 
 
+def test_agent_error_after_a_call_keeps_the_episode(server, tokenizer):
+    url, _ = server
+    sample = Sample(prompt=[{"role": "user", "content": "what is 2 plus 2 ?"}])
+
+    async def agent(client, model, sample):
+        await client.chat.completions.create(model=model, messages=sample.prompt, max_tokens=2)
+        raise RuntimeError("tool crashed")
+
+    async def failing_first(client, model, sample):
+        raise RuntimeError("no call")
+
+    args = SimpleNamespace(hf_checkpoint="m", rollout_request_timeout=60.0)
+    [s] = asyncio.run(run_agent(agent, args, sample, PARAMS, base_url=url + "/v1", tokenizer=tokenizer))
+    assert s.metadata["agent_error"] == "RuntimeError: tool crashed" and s.metadata["agent_result"] is None
+    assert s.loss_mask == [1] * s.response_length and 1 <= s.response_length <= 2
+    with pytest.raises(RuntimeError, match="no call"):
+        asyncio.run(run_agent(failing_first, args, sample, PARAMS, base_url=url + "/v1", tokenizer=tokenizer))
+
+
 def test_budget_caps_max_tokens_and_truncates():
     rec = TrajectoryRecorder("http://127.0.0.1:9/v1", {"max_new_tokens": 8, "sampling_seed": 3}, max_response_len=10)
     body = rec._prepare("chat", {"messages": [], "model": "m", "top_logprobs": 2})

@@ -245,7 +245,9 @@ async def run_agent(agent: Agent, args, sample: Sample, sampling_params: dict, *
 
     `client` is an `openai.AsyncOpenAI` pointed at the rollout engines (`context().openai_base_url`
     unless `base_url` is given), `model` the name to pass as `model=`. Whatever the agent returns is
-    kept in every Sample's `metadata["agent_result"]` (a reward function can read it); the response
+    kept in every Sample's `metadata["agent_result"]` (a reward function can read it). An agent that
+    raises after at least one call gives its Samples so far, with `agent_result` None and the error
+    in `metadata["agent_error"]`; one that raises before any call fails the rollout. The response
     budget is `sampling_params["max_new_tokens"]` (--rollout-max-response-len, or the eval one)."""
     from slime.rollout.api import context
 
@@ -257,9 +259,17 @@ async def run_agent(agent: Agent, args, sample: Sample, sampling_params: dict, *
     recorder = TrajectoryRecorder(base_url, sampling_params, model=str(getattr(args, "hf_checkpoint", "default")),
                                   max_response_len=budget,
                                   timeout=float(getattr(args, "rollout_request_timeout", 600.0) or 600.0))
+    error = None
     async with recorder:
-        result = await agent(recorder.client, recorder.model, sample)
+        try:
+            result = await agent(recorder.client, recorder.model, sample)
+        except Exception as e:  # an agent that fails after some calls still made training data
+            if not recorder.calls:
+                raise
+            result, error = None, f"{type(e).__name__}: {e}"
     samples = recorder.to_samples(sample, tokenizer)
     for s in samples:
         s.metadata["agent_result"] = result
+        if error is not None:
+            s.metadata["agent_error"] = error
     return samples
