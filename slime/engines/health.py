@@ -138,6 +138,22 @@ class HealthMonitor:
             self._restarting.pop(i, None)
 
     # ------------------------------------------------------------------ loop
+    async def check_all(self) -> None:
+        """One round: check every engine not being restarted; start a restart for each that fails."""
+        todo = [i for i in range(len(self.urls)) if i not in self._restarting]
+        reasons = await asyncio.gather(*(self.check(i) for i in todo))
+        for i, reason in zip(todo, reasons):
+            if reason is not None and not self._stop.is_set() and i not in self._restarting:
+                self._restarting[i] = asyncio.create_task(self._restart_task(i, reason))
+
+    async def settle(self) -> None:
+        """Check every engine now and wait until no restart is in progress (raises when one failed)."""
+        await self.check_all()
+        while self._restarting:
+            await asyncio.gather(*list(self._restarting.values()), return_exceptions=True)
+        if self.pool.fatal is not None:
+            raise self.pool.fatal
+
     async def run(self) -> None:
         """Check every interval until `stop()`; restarts run as tasks so other engines keep being checked."""
         while not self._stop.is_set():
@@ -146,11 +162,7 @@ class HealthMonitor:
                 break
             except asyncio.TimeoutError:
                 pass
-            todo = [i for i in range(len(self.urls)) if i not in self._restarting]
-            reasons = await asyncio.gather(*(self.check(i) for i in todo))
-            for i, reason in zip(todo, reasons):
-                if reason is not None and not self._stop.is_set():
-                    self._restarting[i] = asyncio.create_task(self._restart_task(i, reason))
+            await self.check_all()
         for task in list(self._restarting.values()):
             task.cancel()
         for c in self.clients:

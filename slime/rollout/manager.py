@@ -175,7 +175,7 @@ class RolloutManager:
             debug_data.save_samples(args.save_debug_rollout_data, rollout_id, samples)
         elapsed = time.perf_counter() - start
         batch = self._to_train_batch(samples)
-        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size, balance=args.balance_data)]
         metrics.update(self._rollout_metrics(samples))
         if args.overlong_buffer_len > 0:
             metrics["rollout/overlong_penalty"] = statistics.fmean(self._overlong(samples).tolist())
@@ -378,7 +378,7 @@ class RolloutManager:
             loss_masks=[s.loss_mask for s in samples], rewards=[0.0] * n, raw_rewards=[0.0] * n,
             rollout_log_probs=[None] * n, group_indices=[s.group_index for s in samples],
         )
-        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size, balance=args.balance_data)]
         return refs, {
             "rollout/sequence_len/mean": statistics.fmean(len(s.tokens) for s in samples),
             "rollout/response_len/mean": statistics.fmean(s.response_length for s in samples),
@@ -536,6 +536,13 @@ class RolloutManager:
         self._trainer.update_weights([url], weight_version=int(version) if version.isdigit() else version)
         if self.args.check_weight_update_equal and hasattr(self._trainer, "check_weights"):
             self._trainer.check_weights([url])
+
+    def wait_for_engines(self) -> None:
+        """--use-fault-tolerance: check every engine now and return once no restart is in progress
+        (a restarted engine has its weights and is back in the router). The driver calls it before
+        it pushes weights, so a push never meets an engine in the middle of a restart."""
+        if getattr(self, "health_monitor", None) is not None:
+            self._run(self.health_monitor.settle())
 
     def engine_restart_metrics(self) -> dict[str, float]:
         """{"rollout/engine_restarts": restarts since the last call} (empty without

@@ -1,0 +1,167 @@
+"""--use-fault-tolerance end to end: a train.py run with two engines behind sglang-router where the
+test kills (SIGKILL) or freezes (SIGSTOP) one engine in the middle of a rollout. The run must
+finish every rollout, count the restart in `rollout/engine_restarts`, and the restarted engine
+must serve the trainer's current weights (same `/weights_checksum` as the other engine) and must
+not serve a request before it has them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from slime.engines.client import EngineError, get_json
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+pytestmark = pytest.mark.e2e
+
+NUM_ROLLOUT = 4
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from tiny_task import make_tiny_task
+
+    from slime.utils.tiny_model import build_tiny_model
+
+    work = tmp_path_factory.mktemp("ft")
+    model = build_tiny_model(work / "model", seed=0)
+    train, _ = make_tiny_task(work / "data", seed=0)
+    return {"model": str(model), "train": str(train)}
+
+
+def train_cmd(task, out_dir, driver="train.py"):
+    return [
+        sys.executable, driver, "--rollout-num-gpus", "2", "--actor-num-gpus-per-node", "1",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+        "--num-rollout", str(NUM_ROLLOUT), "--prompt-data", task["train"], "--input-key", "prompt",
+        "--label-key", "label", "--apply-chat-template", "--hf-checkpoint", task["model"],
+        "--rollout-max-response-len", "48", "--lr", "1e-3", "--micro-batch-size", "4",
+        "--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "3",
+        "--stage-timeout", "600", "--output-dir", str(out_dir),
+    ]
+
+
+def engine_pid(url: str) -> int:
+    """The pid of the native engine serving `url` (found by its --port)."""
+    port = url.rsplit(":", 1)[1]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "slime.engines.native" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
+            return p.pid
+    raise AssertionError(f"no engine process serves {url}")
+
+
+def info(url: str) -> dict | None:
+    try:
+        return get_json(url, "/get_server_info", timeout=2)
+    except EngineError:
+        return None
+
+
+def checksums_equal(a: str, b: str) -> bool | None:
+    """Whether the two engines serve identical weights (None: cannot tell right now, e.g. a push is
+    in progress between the reads)."""
+    try:
+        va = get_json(a, "/get_weight_version", timeout=5)["weight_version"]
+        vb = get_json(b, "/get_weight_version", timeout=5)["weight_version"]
+        if va != vb:
+            return None
+        ca = get_json(a, "/weights_checksum", timeout=30)["checksums"]
+        cb = get_json(b, "/weights_checksum", timeout=30)["checksums"]
+        if get_json(a, "/get_weight_version", timeout=5)["weight_version"] != va or \
+                get_json(b, "/get_weight_version", timeout=5)["weight_version"] != vb:
+            return None
+        return ca == cb
+    except EngineError:
+        return None
+
+
+def run_with_fault(task, out_dir: Path, sig: int, driver: str = "train.py") -> dict:
+    """Run train.py; once the engines serve trained weights (version >= 1) and engine 1 has
+    requests running, send `sig` to engine 1. Watch the restarted engine until it serves the same
+    weights as engine 0. Returns what was observed."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    log = open(out_dir.parent / f"{out_dir.name}.out", "w+")
+    proc = subprocess.Popen(train_cmd(task, out_dir, driver), cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = {"killed_pid": None, "restarted_pid": None, "served_before_weights": [], "same_weights": None}
+    deadline = time.monotonic() + 900
+    try:
+        urls = None
+        while urls is None:  # train.py prints "slime: 2 engine(s) at URL, URL; ..."
+            assert proc.poll() is None, f"train.py exited early:\n{Path(log.name).read_text()[-3000:]}"
+            assert time.monotonic() < deadline
+            m = re.search(r"engine\(s\) at (\S+), (\S+);", Path(log.name).read_text())
+            urls = [m.group(1), m.group(2)] if m else None
+            time.sleep(0.2)
+        victim, other = urls[1], urls[0]
+        while seen["killed_pid"] is None:
+            assert proc.poll() is None, "the run ended before engine 1 was caught in the middle of a rollout"
+            i = info(victim)
+            if i and i["weight_version"] not in ("0", None) and i["num_running_requests"] > 0:
+                seen["killed_pid"] = engine_pid(victim)
+                os.kill(seen["killed_pid"], sig)
+                seen["killed_at_version"] = i["weight_version"]
+            time.sleep(0.01)
+        while proc.poll() is None and seen["same_weights"] is not True:
+            assert time.monotonic() < deadline
+            i = info(victim)
+            if i is not None:
+                pid = engine_pid(victim)
+                if pid != seen["killed_pid"]:
+                    seen["restarted_pid"] = pid
+                    if i["weight_updates"] == 0 and i["total_requests"] > 0:
+                        seen["served_before_weights"].append(i)
+                    if i["weight_updates"] > 0:
+                        seen["same_weights"] = checksums_equal(victim, other)
+            time.sleep(0.05)
+        proc.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if seen["killed_pid"] is not None and sig == signal.SIGSTOP:
+            try:  # never leave a stopped process behind
+                os.kill(seen["killed_pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    seen["returncode"] = proc.returncode
+    seen["output"] = Path(log.name).read_text()
+    seen["records"] = [json.loads(line) for line in open(out_dir / "metrics.jsonl")] \
+        if (out_dir / "metrics.jsonl").exists() else []
+    return seen
+
+
+def _check(seen: dict) -> None:
+    assert seen["returncode"] == 0, seen["output"][-4000:]
+    records = [r for r in seen["records"] if "rollout/raw_reward" in r]
+    assert [r["rollout_id"] for r in records] == list(range(NUM_ROLLOUT))  # every rollout finished
+    restarts = [r["rollout/engine_restarts"] for r in records]
+    assert sum(restarts) >= 1 and all(r >= 0 for r in restarts), restarts
+    assert seen["restarted_pid"] not in (None, seen["killed_pid"])  # a new process on the same URL
+    assert seen["same_weights"] is True  # it serves exactly the weights the healthy engine serves
+    assert seen["served_before_weights"] == []  # and served nothing before it had them
+
+
+def test_killed_engine_is_restarted_with_current_weights(task, tmp_path):
+    seen = run_with_fault(task, tmp_path / "kill", signal.SIGKILL, os.environ.get("SLIME_FT_DRIVER", "train.py"))
+    _check(seen)
+    assert "its process exited" in seen["output"] or "GET /health failed" in seen["output"]
+
+
+def test_hung_engine_is_detected_by_the_timeout_and_restarted(task, tmp_path):
+    seen = run_with_fault(task, tmp_path / "stop", signal.SIGSTOP, os.environ.get("SLIME_FT_DRIVER", "train.py"))
+    _check(seen)
+    assert "GET /health failed" in seen["output"] and "timed out after 3" in seen["output"]
