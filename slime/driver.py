@@ -155,5 +155,5 @@ class Run:
 
     def close(self) -> None:
         self.logger.close()
+        self.actor.shutdown()  # first: it leaves the engines' weight-update group while they still run
         ray.get(self.rollout.shutdown.remote())
-        self.actor.shutdown()

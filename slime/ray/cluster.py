@@ -20,13 +20,17 @@ def init() -> None:
     if ray.is_initialized():
         return
     os.environ.update({k: v for k, v in WORKER_ENV.items() if k not in os.environ})
+    env = {k: os.environ[k] for k in WORKER_ENV}  # a value the job or the user set wins
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": WORKER_ENV}, log_to_driver=True)
+        # Under `ray job submit` the job's runtime env (working dir, env vars) is already the
+        # default for every worker; combine it with ours instead of refusing the overlap.
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
     else:
         ray.init(
             address="local",
             num_cpus=os.cpu_count() or 1,
             include_dashboard=False,
-            runtime_env={"env_vars": WORKER_ENV},
+            runtime_env={"env_vars": env},
             log_to_driver=True,
         )

@@ -41,17 +41,35 @@ def create(args) -> Placement:
     bundle = GPU_BUNDLE if use_gpus() else CPU_BUNDLE
     n_actor = args.dp_size
     n_total = n_actor if args.colocate else n_actor + args.rollout_num_gpus
+    need = {k: _num(v * n_total) for k, v in bundle.items()}
+    what = (f"{n_total} bundles of {bundle} ({n_actor} train ranks"
+            f"{' with the engines colocated' if args.colocate else f' + {args.rollout_num_gpus} rollout devices'})")
+    # more than the whole cluster has: say so now instead of waiting (no autoscaler adds nodes here)
+    total = ray.cluster_resources()
+    missing = {k: _num(v - total.get(k, 0)) for k, v in need.items() if v > total.get(k, 0) + 1e-9}
+    if missing:
+        raise SlimeError(f"cannot place {what}: need {need}, the cluster has {_fmt(total, need)} in total "
+                         f"(missing {missing}); lower --actor-num-gpus-per-node / --rollout-num-gpus or add nodes")
     pg = placement_group([dict(bundle) for _ in range(n_total)], strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
-        need = {k: v * n_total for k, v in bundle.items()}
         raise SlimeError(
-            f"cannot place {n_total} bundles of {bundle} ({n_actor} train ranks"
-            f"{'' if args.colocate else f' + {args.rollout_num_gpus} rollout devices'}): need {need}, "
-            f"cluster has {ray.available_resources()} available"
+            f"cannot place {what} within {PLACEMENT_TIMEOUT_S:.0f} s: need {need}, the cluster has "
+            f"{_fmt(ray.available_resources(), need)} available of {_fmt(total, need)} (other jobs hold the rest, "
+            "or no single set of nodes fits the bundles)"
         ) from None
     engine_start = 0 if args.colocate else n_actor
     engine_bundles = [engine_start + i * args.rollout_num_gpus_per_engine for i in range(args.num_engines)]
     return Placement(pg=pg, actor_bundles=list(range(n_actor)), engine_bundles=engine_bundles)
+
+
+def _fmt(resources: dict, like: dict) -> dict:
+    """The entries of `resources` named in `like` (0 when absent), rounded."""
+    return {k: _num(resources.get(k, 0)) for k in like}
+
+
+def _num(v: float) -> float | int:
+    v = round(float(v), 4)
+    return int(v) if v.is_integer() else v

@@ -1,0 +1,87 @@
+"""A private Ray head node on loopback for tests (`ray start --head` with its own temp dir), stopped
+by killing exactly its own processes: `ray stop` would stop every Ray instance of this user on the
+machine, including other test sessions'."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import psutil
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_env() -> dict[str, str]:
+    env = dict(os.environ, **LOOPBACK_ENV)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+class HeadNode:
+    def __init__(self, num_cpus: int = 2):
+        self.temp_dir = tempfile.mkdtemp(prefix="slray", dir="/tmp")  # short: Ray's socket paths are limited
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.num_cpus = num_cpus
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self, timeout: float = 240) -> "HeadNode":
+        cmd = ["ray", "start", "--head", "--port", str(self.port), "--node-ip-address", "127.0.0.1",
+               "--num-cpus", str(self.num_cpus), "--include-dashboard", "true",
+               "--dashboard-port", str(self.dashboard_port), "--dashboard-host", "127.0.0.1",
+               "--temp-dir", self.temp_dir]
+        proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        return self
+
+    def processes(self) -> list[psutil.Process]:
+        roots = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp_dir in part for part in (p.info["cmdline"] or [])):
+                    roots.append(p)
+            except psutil.Error:
+                pass
+        me = psutil.Process()
+        mine = {me.pid} | {a.pid for a in me.parents()}  # never this process or its callers
+        roots = [p for p in roots if p.pid not in mine]
+        found = {p.pid: p for p in roots}
+        for p in roots:
+            try:
+                found.update({c.pid: c for c in p.children(recursive=True) if c.pid not in mine})
+            except psutil.Error:
+                pass
+        return list(found.values())
+
+    def stop(self) -> None:
+        procs = self.processes()
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=15)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        time.sleep(0.5)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""Placement groups: a request larger than the cluster fails at once with what is missing and what
+there is; rank i lands on bundle i; engines share the ranks' bundles only with --colocate."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from slime.ray import placement
+from slime.utils.errors import SlimeError
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_ray():
+    """A local Ray that declares 2 GPUs and 4 CPUs (placement only looks at the resource counts)."""
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _args(dp, rollout, colocate=False, per_engine=1):
+    return SimpleNamespace(dp_size=dp, colocate=colocate, rollout_num_gpus=rollout,
+                           rollout_num_gpus_per_engine=per_engine, num_engines=rollout // per_engine)
+
+
+def test_more_gpus_than_exist_fails_fast_with_numbers(fake_gpu_ray):
+    assert placement.use_gpus()
+    start = time.monotonic()
+    with pytest.raises(SlimeError) as ei:
+        placement.create(_args(dp=2, rollout=2))  # 4 GPU bundles on a 2-GPU cluster
+    assert time.monotonic() - start < 10  # no waiting for resources that cannot appear
+    msg = str(ei.value)
+    assert "4 bundles of {'GPU': 1, 'CPU': 1} (2 train ranks + 2 rollout devices)" in msg
+    assert "need {'GPU': 4, 'CPU': 4}" in msg
+    assert "the cluster has {'GPU': 2, 'CPU': 4} in total" in msg
+    assert "missing {'GPU': 2}" in msg
+
+
+def _bundle_cpu(pg, i):
+    key = f"CPU_group_{i}_{pg.id.hex()}"
+    return ray.available_resources().get(key, 0.0)
+
+
+@ray.remote
+class Probe:
+    def ready(self):
+        return True
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_rank_i_lands_on_bundle_i(fake_gpu_ray, colocate):
+    args = _args(dp=2, rollout=2 if colocate else 0, colocate=colocate) if colocate else _args(dp=1, rollout=1)
+    p = placement.create(args)
+    try:
+        n_actor = args.dp_size
+        assert p.actor_bundles == list(range(n_actor))
+        assert p.engine_bundles == ([0, 1] if colocate else [1])  # colocated: on the ranks' own bundles
+        probes = []
+        for rank in range(n_actor):
+            # each rank takes a distinct share of its bundle's CPU, so the bundle it sits in is visible
+            probes.append(Probe.options(num_cpus=0.25 * (rank + 1), num_gpus=0,
+                                        scheduling_strategy=p.strategy(p.actor_bundles[rank])).remote())
+        ray.get([a.ready.remote() for a in probes])
+        deadline = time.monotonic() + 10
+        expected = {rank: 1 - 0.25 * (rank + 1) for rank in range(n_actor)}
+        while time.monotonic() < deadline and any(
+                abs(_bundle_cpu(p.pg, r) - v) > 1e-6 for r, v in expected.items()):
+            time.sleep(0.2)
+        for rank, v in expected.items():
+            assert _bundle_cpu(p.pg, rank) == pytest.approx(v), rank
+        for a in probes:
+            ray.kill(a)
+    finally:
+        ray.util.remove_placement_group(p.pg)
