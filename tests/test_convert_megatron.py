@@ -90,14 +90,14 @@ def test_not_a_checkpoint_is_one_clear_line(tiny_model_dir, tmp_path):
 
 # The forward check runs in its own process: it sets up a process group and, because megatron-core's
 # forward assumes CUDA in device/RNG bookkeeping (RotaryEmbedding.get_emb moves inv_freq to
-# torch.cuda.current_device(); attention dropout forks the CUDA RNG tracker even at p=0), it makes
-# those place tensors on the CPU and skips the RNG fork. None of that touches the arithmetic.
+# torch.cuda.current_device(); attention dropout forks the CUDA RNG tracker even at p=0), it uses the
+# shims in slime/training/megatron/shims.py. None of that touches the arithmetic.
 FORWARD = textwrap.dedent("""
     import contextlib, importlib.util, json, sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from slime.utils import megatron_convert as mc
-    from megatron.core.tensor_parallel import random as mrandom
+    from slime.training.megatron.shims import use_cpu_rng_tracker
 
     hf_dir, save, back = sys.argv[1:4]
     spec = importlib.util.spec_from_file_location("to_td", "tools/convert_hf_to_torch_dist.py")
@@ -109,7 +109,7 @@ FORWARD = textwrap.dedent("""
     ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
     with torch.no_grad():
         expected = hf(ids).logits
-    mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    use_cpu_rng_tracker()
     rows = mc.checkpoint_tensor_shapes(ckpt)["embedding.word_embeddings.weight"][0][0]
     with mc.single_process_parallel_state(), mc.cpu_only_cuda_shims():
         model = mc.build_gpt_model(config, rows, torch.float32).eval()

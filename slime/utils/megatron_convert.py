@@ -35,6 +35,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from slime.training.megatron.shims import cpu_only_cuda_shims  # noqa: F401 (all megatron-core CPU shims live there)
 from slime.utils.errors import SlimeError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -332,29 +333,6 @@ def load_mcore_state(model, state: dict) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise SlimeError(f"weights do not match the megatron model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-
-
-@contextlib.contextmanager
-def cpu_only_cuda_shims():
-    """megatron-core's dist_checkpointing (0.16) assumes a CUDA device in a few bookkeeping spots:
-    the torch_dist writer calls torch.cuda.synchronize() unconditionally
-    (FileSystemWriterAsync.preload_tensors) and puts its small failure-flag tensor, broadcast over
-    the process group, on torch.cuda.current_device() (save_state_dict_async_finalize). Both raise
-    on a CPU-only torch build. With no CUDA device, synchronizing has nothing to wait for and the
-    flag belongs on the CPU (gloo), so while this is active those two calls mean exactly that.
-    A no-op when CUDA is available."""
-    import torch
-
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
 def save_torch_dist(model, save_dir: str | Path, iteration: int = 0) -> Path:

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 
 @contextlib.contextmanager
 def cpu_only_cuda_shims():
     """Shim 1 (see the module docstring). A no-op when CUDA is available."""
+    import torch
+
     if torch.cuda.is_available():
         yield
         return
@@ -53,6 +53,8 @@ def cpu_only_cuda_shims():
 
 def use_cpu_rng_tracker() -> None:
     """Shim 2: megatron's inference RNG tracker (fork = null context) when there is no CUDA."""
+    import torch
+
     if torch.cuda.is_available():
         return
     from megatron.core.tensor_parallel import random as mrandom
@@ -60,6 +62,8 @@ def use_cpu_rng_tracker() -> None:
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def causal_mask(seq_len: int, device) -> torch.Tensor:
+def causal_mask(seq_len: int, device):
     """Shim 3: megatron's causal attention mask ([1, 1, s, s], True = masked), built on `device`."""
+    import torch
+
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
