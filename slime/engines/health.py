@@ -103,6 +103,7 @@ class HealthMonitor:
             raise EngineRestartError(f"engine {i} at {url} failed again ({reason}) after {self.max_restarts} "
                                      "restarts in this run; giving up (--use-fault-tolerance)")
         logger.warning("engine %d at %s is unhealthy (%s): restarting it (--use-fault-tolerance)", i, url, reason)
+        self._unread += 1  # counted in the rollout during which the failure was found
         version = await asyncio.to_thread(self.current_version, url)
         self.pool.mark_down(url)
         try:
@@ -119,7 +120,6 @@ class HealthMonitor:
         await asyncio.to_thread(self.admin.add, url)
         self.pool.mark_up(url)
         self.versions[url] = version
-        self._unread += 1
         self.events.append({"rank": i, "url": url, "reason": reason, "weight_version": version,
                             "seconds": time.perf_counter() - start})
         logger.warning("engine %d at %s is back with weight version %s after %.1f s", i, url, version,
@@ -172,6 +172,6 @@ class HealthMonitor:
         self._stop.set()
 
     def take_restart_count(self) -> int:
-        """Restarts finished since the last call (the rollout metric `rollout/engine_restarts`)."""
+        """Restarts begun since the last call (the rollout metric `rollout/engine_restarts`)."""
         n, self._unread = self._unread, 0
         return n
