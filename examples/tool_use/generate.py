@@ -76,7 +76,7 @@ async def generate(args, sample, sampling_params):
         tools["python"] = python
     params = dict(sampling_params)
     if fmt == "plain":
-        params.update(stop=[PLAIN_CALL], no_stop_trim=True)
+        params.update(stop=list(params.get("stop") or []) + [PLAIN_CALL], no_stop_trim=True)
         sample = await run_tool_loop(args, sample, params, tools, tokenizer=tokenizer, parse=parse_plain,
                                      tool_messages=plain_messages, max_turns=getattr(args, "tool_max_turns", None),
                                      tool_timeout=float(getattr(args, "tool_timeout", 10.0)))
