@@ -45,6 +45,8 @@ class Run:
         self.actor = (NoTraining() if args.debug_rollout_only  # generate and score only
                       else TrainGroup(args, role="actor", bundles=bundles, critic=critic))
         self.actor.init()
+        if args.use_fault_tolerance and self.engine_urls:  # a restarted engine gets the trainer's weights
+            ray.get(self.rollout.attach_trainer.remote(self.actor))
         self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)
         self.logger = MetricsLogger.from_args(args, self.start_rollout_id)
         self.handoff: dict[str, float] = {}  # --colocate: memory and times of the last turns
@@ -114,6 +116,8 @@ class Run:
         seconds it took. SFT and --debug-train-only start no engines: nothing to push."""
         start = time.perf_counter()
         if self.engine_urls:
+            if self.args.use_fault_tolerance:  # never push into a half-restarted engine
+                ray.get(self.rollout.wait_for_engines.remote())
             if self._colocated():  # released weights come back before they are overwritten
                 self._engine_memory("/resume_memory_occupation", ["weights"])
             stats = self.actor.update_weights(self.engine_urls, weight_version=version) or {}

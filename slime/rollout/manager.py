@@ -185,6 +185,7 @@ class RolloutManager:
             metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
         metrics["perf/rollout_time"] = elapsed
         metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in generated) / max(elapsed, 1e-9)
+        metrics.update(self.engine_restart_metrics())
         return refs, metrics
 
     def _call(self, fn, *a, **kw):
