@@ -123,8 +123,9 @@ class WeightPusher:
         args = self.args
         size = args.update_weight_buffer_size
         mode = self.mode
-        if mode == "distributed" and self._group is not None and list(engine_urls) != self._group.engine_urls:
-            mode = "tensor"  # e.g. one restarted engine: it is not in the group,
+        if mode == "distributed" and (len(engine_urls) != getattr(args, "num_engines", len(engine_urls)) or (
+                self._group is not None and list(engine_urls) != self._group.engine_urls)):
+            mode = "tensor"  # a subset (e.g. one restarted engine): the group is for all of them,
             self.close()  # which is stale now (its old process was a member): the next full push builds one
         if mode == "tensor":
             return sync_weights(named_weights, engine_urls, weight_version, size, send=self.rank == 0)
