@@ -297,3 +297,73 @@ def test_openai_agent_episodes_become_samples(tiny, tmp_path, tokenizer):
             else:  # a segment of an episode the chat template could not continue token for token
                 assert s.metadata["calls"] == 1 and s.metadata["segments"] == 2 and runs == [(1, 0, s.response_length)]
     assert whole > 0
+
+
+# ---------------------------------------------------------------- the real-model formats, on a scripted engine
+
+
+def _scripted(tokenizer, turns, args, example, sample):
+    from test_multiturn import ScriptedEngines
+
+    from slime.rollout import api
+
+    engines = ScriptedEngines(turns)
+    api.set_context(api.RolloutContext(args, tokenizer, engines, "http://unused"))
+    try:
+        gen = load(example, "generate")
+        params = {"temperature": 1.0, "max_new_tokens": args.rollout_max_response_len, "sampling_seed": 5}
+        return asyncio.run(gen.generate(args, sample, params)), engines
+    finally:
+        api.set_context(None)
+
+
+def _prompt_sample(tokenizer, content, label):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=False)
+    return Sample(prompt=[{"role": "user", "content": content}], label=label, tokens=list(ids))
+
+
+def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer):
+    from slime.rollout.multiturn import env_message_tokens
+
+    eos = tokenizer.eos_token_id
+    t1, t2, t3 = ([tokenizer.convert_tokens_to_ids(w) for w in words] + [eos]
+                  for words in (["compute", "6"], ["compute", "4", "0"], ["4", "2"]))
+    turns = [('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>', t1, "stop", eos),
+             ('<tool_call>{"name": "calculator", "arguments": {"expression": "40 + 2"}}</tool_call>', t2, "stop", eos),
+             ("42", t3, "stop", eos)]
+    args = SimpleNamespace(call_format="hermes", python_tool=True, max_turns=4, rollout_max_response_len=200)
+    sample = _prompt_sample(tokenizer, "what is 6 times 7 ?", "42")
+    prompt = list(sample.tokens)
+    s, engines = _scripted(tokenizer, turns, args, "tool_use", sample)
+    env = env_message_tokens(tokenizer, [{"role": "tool", "content": "42"}])
+    assert s.tokens == prompt + t1 + env + t2 + env + t3
+    assert s.loss_mask == [1] * len(t1) + [0] * len(env) + [1] * len(t2) + [0] * len(env) + [1] * len(t3)
+    assert s.metadata["tool_ok"] == 2 and s.metadata["answered"] and s.metadata["tool_calls"] == 2
+    assert [p["sampling_params"].get("stop") for p in engines.payloads] == [None] * 3  # no plain stop string
+    assert load("tool_use", "reward").reward(SimpleNamespace(), s) == {
+        "score": 1.0, "correct": 1.0, "tool_calls": 2.0, "turns": 3.0}
+
+
+def test_search_r1_tags_format_appends_the_passages(tiny, tokenizer):
+    search = load("search_r1", "generate")
+    eos = tokenizer.eos_token_id
+    t1 = [tokenizer.convert_tokens_to_ids(w) for w in ["the", "answer"]]
+    t2 = [tokenizer.convert_tokens_to_ids("yes"), eos]
+    turns = [("<think> where </think> <search> Orrin Vale retire </search>", t1, "stop", "</search>"),
+             ("<answer> Brisk </answer>", t2, "stop", "</answer>")]
+    args = SimpleNamespace(call_format="tags", search_top_k=2, max_turns=4, rollout_max_response_len=400)
+    sample = _prompt_sample(tokenizer, "question", ["Brisk"])
+    prompt = list(sample.tokens)
+    s, engines = _scripted(tokenizer, turns, args, "search_r1", sample)
+    passages = search.retriever(str(search.CORPUS)).search("Orrin Vale retire", 2)
+    assert [p["title"] for p in passages] == ["Orrin Vale", "The Gull of Semmet"]
+    info = search.information("tags", passages)
+    assert info.startswith("\n\n<information>Doc 1(Title: Orrin Vale)") and info.endswith("</information>\n\n")
+    env = tokenizer(info, add_special_tokens=False)["input_ids"]
+    assert s.tokens == prompt + t1 + env + t2
+    assert s.loss_mask == [1] * len(t1) + [0] * len(env) + [1] * len(t2)
+    assert s.metadata["queries"] == ["Orrin Vale retire"] and s.metadata["last_turn"] == "<answer> Brisk </answer>"
+    stops = engines.payloads[0]["sampling_params"]
+    assert stops["stop"] == ["</search>", "</answer>"] and stops["no_stop_trim"] is True
+    assert [p["sampling_params"]["sampling_seed"] for p in engines.payloads] == [5, 6]
