@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="megatron context parallelism (needs Transformer Engine on GPUs; must be 1 here)")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="megatron sequence parallelism within the tensor-parallel group (GPUs only)")
+                   help="megatron sequence parallelism within the tensor-parallel group (not supported yet)")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
@@ -418,6 +418,14 @@ def validate(args: Args) -> Args:
              "--sglang-router-ip and --sglang-router-port go together")
     _require(args.rollout_health_check_interval > 0 and args.rollout_health_check_timeout > 0,
              "--rollout-health-check-interval and --rollout-health-check-timeout must be > 0")
+    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
+        from slime.engines.vllm import check_vllm_args
+
+        check_vllm_args(args)
+    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
+        from slime.engines.sglang import check_sglang_args
+
+        check_sglang_args(args)
     if args.colocate:
         _require(
             args.rollout_num_gpus == args.dp_size,
@@ -547,6 +555,9 @@ def _validate_megatron(args: Args) -> None:
     _require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
                       "megatron-core's local attention has no context-parallel path")
     _require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _require(not args.sequence_parallel, "--sequence-parallel is not supported by slime's megatron backend yet "
+                                         "(megatron refuses it with the local layer spec's torch norms; it needs "
+                                         "the Transformer Engine spec on GPUs)")
     _require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
                                   "megatron yet; use --train-backend fsdp")
 

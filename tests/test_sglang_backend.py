@@ -229,9 +229,8 @@ def test_forwarding_values_bare_flags_equals_form_and_lists(fake_sglang, tiny_mo
     (["--sglang-attention-backend", "magic"], r"--attention-backend: invalid choice: 'magic'"),
 ])
 def test_bad_sglang_flags_name_the_flag(fake_sglang, tiny_model_dir, data_file, flags, match):
-    args = _args(tiny_model_dir, data_file, *flags)
-    with pytest.raises(SlimeConfigError, match=match):
-        sglang_command(args, 0, "127.0.0.1", 4000)
+    with pytest.raises(SlimeConfigError, match=match):  # at parse time (check_sglang_args), before any engine
+        sglang_command(_args(tiny_model_dir, data_file, *flags), 0, "127.0.0.1", 4000)
 
 
 def test_one_valued_device_flags_pass(fake_sglang, tiny_model_dir, data_file):
@@ -243,13 +242,8 @@ def test_one_valued_device_flags_pass(fake_sglang, tiny_model_dir, data_file):
 
 def test_not_installed_error_names_backend_and_package(tiny_model_dir, data_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang...` raises ImportError
-    args = _args(tiny_model_dir, data_file)
     with pytest.raises(SlimeConfigError, match=r"--rollout-backend sglang .*pip install sglang"):
-        sglang_command(args, 0, "127.0.0.1", 4000)
-    from slime.engines.launcher import server_command
-
-    with pytest.raises(SlimeConfigError, match=r"--rollout-backend sglang"):
-        server_command(args, 0, "127.0.0.1", 4000)
+        _args(tiny_model_dir, data_file)  # at parse time, before Ray or any engine starts
 
 
 _FAKE_LAUNCH_SERVER = """
