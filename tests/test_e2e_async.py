@@ -46,17 +46,38 @@ def test_fully_async_respects_max_staleness(task, tmp_path):  # noqa: F811
     assert all(rec["rollout/reward_failures"] == 0.0 for rec in recs)
 
 
+SLOW_OR_FAST = """
+import zlib
+from slime.rollout.api import context
+from slime.rollout.generate import generate as generate_once
+
+async def generate(args, sample, sampling_params):
+    # half the prompts answer in 2 tokens, the other half take 240: the slow groups are still
+    # running when enough fast ones are done
+    slow = zlib.crc32(str(sample.prompt).encode()) % 2
+    want = 240 if slow else 2
+    params = dict(sampling_params, ignore_eos=True,
+                  max_new_tokens=max(1, min(sampling_params["max_new_tokens"], want - sample.response_length)))
+    return await generate_once(context().engines, sample, params)
+"""
+
+
 def test_partial_rollout_aborts_and_resumes_then_survives_a_resume(task, tmp_path):  # noqa: F811
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    gen = tmp_path / "slow_or_fast.py"
+    gen.write_text(SLOW_OR_FAST)
     flags = ["--over-sampling-batch-size", 8, "--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-             "--save", ckpt, "--save-interval", 1]
+             "--save", ckpt, "--save-interval", 1, "--custom-generate-function-path", f"{gen}:generate",
+             "--rollout-max-response-len", 256]
     r = run(cmd(task, out, "train.py", *flags, "--num-rollout", 2))  # argparse keeps the last --num-rollout
     assert r.returncode == 0, r.stderr[-3000:]
     recs = records(out)
     # 8 groups launched for 4 needed: the slow ones are aborted and wait in the buffer
     assert sum(rec["rollout/aborted_groups"] for rec in recs) >= 1
     assert recs[1]["rollout/staleness/count_1"] >= 1  # groups carried over from rollout 0
-    state = json.loads((ckpt / "rollout_1" / "rollout_state.json").read_text())
+    from slime.checkpoint import checkpoint_dir
+
+    state = json.loads((checkpoint_dir(ckpt, 1) / "rollout_state.json").read_text())
     buffer = state["data_source"]["buffer"]
     assert buffer and all(s["weight_versions"] for g in buffer for s in g if s["response_length"])
     assert "staleness" in state
