@@ -36,17 +36,19 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def gqa_model_dir(tiny_model_dir, tmp_path_factory):
+def _gqa_model(tiny_model_dir, out, kind):
     """The tiny model's shape with 4 query heads over 2 KV groups (so TP=2 can split them) and
-    non-trivial norms; the tiny model's tokenizer files."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    non-trivial norms (Qwen3: with q/k norms); the tiny model's tokenizer files."""
+    from transformers import AutoConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    out = tmp_path_factory.mktemp("gqa")
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
+    cls = LlamaForCausalLM
+    if kind == "qwen3":
+        cfg = Qwen3Config(**{k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")})
+        cls = Qwen3ForCausalLM
     torch.manual_seed(3)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model = cls(cfg).to(torch.float32)
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.dim() == 1:
@@ -67,6 +69,8 @@ def gqa_model_dir(tiny_model_dir, tmp_path_factory):
     (["--context-parallel-size", 2, "--actor-num-gpus-per-node", 2], "--context-parallel-size > 1 needs Transformer"),
     (["--tensor-model-parallel-size", 2], r"\(2 x 1 x 1 = 2\) must divide the 1 train ranks"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
+     "--sequence-parallel is not supported"),
     (["--advantage-estimator", "ppo"], "ppo .* not supported with --train-backend megatron"),
 ])
 def test_megatron_flags_are_validated(tiny_model_dir, tmp_path, extra, message):
@@ -257,15 +261,20 @@ def ray_session():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_rank(gqa_model_dir, tmp_path, ray_session):
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_session):
     """TP=2 (2 ranks, one TP group), DP=2 (TP=1) and one rank: the same metrics and weights after two
-    AdamW steps; the TP group's exported weights are the HF names, and its log-probs the HF model's."""
+    AdamW steps (through full_state: the TP shards gathered back to HF names). Qwen3's q/k norms are
+    replicated but see only their rank's heads: their gradients must be summed over the TP group."""
     import ray
 
     from slime.ray.actor_group import TrainGroup
 
+    gqa_model_dir = _gqa_model(tiny_model_dir, tmp_path / kind, kind)
     batch = synthetic_batch(gqa_model_dir, 8, seed=14)
-    layouts = {"tp2": (2, 2, 1), "dp2": (2, 1, 1), "one": (1, 1, 3)}  # ranks, TP, micro-batch size
+    layouts = {"tp2": (2, 2, 1), "one": (1, 1, 3)}  # ranks, TP, micro-batch size
+    if kind == "llama":
+        layouts["dp2"] = (2, 1, 1)
     results = {}
     for name, (ranks, tp, mbs) in layouts.items():
         args = make_args(gqa_model_dir, tmp_path, *COMMON, "--train-backend", "megatron",
@@ -282,7 +291,7 @@ def test_tensor_parallel_matches_one_rank(gqa_model_dir, tmp_path, ray_session):
     m1, s1 = results["one"]
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-5  # first pass: the HF model's log-probs
     assert m1["train/ppo_kl"] != 0
-    for name in ("tp2", "dp2"):
+    for name in set(layouts) - {"one"}:
         m, s = results[name]
         assert set(m) == set(m1)
         for k in m1:
@@ -314,6 +323,9 @@ def test_train_py_grpo_with_megatron(tmp_path):
     assert [r["rollout_id"] for r in rs] == [0, 1]
     for r in rs:
         # the engine's log-probs (native engine, HF weights pushed by the megatron trainer) vs the trainer's
-        assert r["train/train_rollout_logprob_abs_diff"] < 1e-3, r
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4, r  # observed ~2e-7
         assert r["train/grad_norm"] > 0
+    # rollout 1 was generated with the weights the trainer pushed after its update: the policy has
+    # moved from the reference (KL > 0) and the engine still scores like the trainer
+    assert rs[1]["train/kl_loss"] > 0
     assert rs[1]["train/lr"] == pytest.approx(1e-3)

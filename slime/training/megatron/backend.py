@@ -50,7 +50,7 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def _check_parallel(args, world_size: int, cuda: bool) -> tuple[int, int, int]:
+def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
     tp = getattr(args, "tensor_model_parallel_size", 1)
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     cp = getattr(args, "context_parallel_size", 1)
@@ -63,8 +63,10 @@ def _check_parallel(args, world_size: int, cuda: bool) -> tuple[int, int, int]:
     if cp > 1:
         raise SlimeConfigError("--context-parallel-size > 1 needs Transformer Engine's attention on GPUs "
                                "(megatron-core's local attention has no context-parallel path)")
-    if getattr(args, "sequence_parallel", False) and not cuda:
-        raise SlimeConfigError("--sequence-parallel needs GPUs (NCCL reduce-scatter); gloo on the CPU has none")
+    if getattr(args, "sequence_parallel", False):
+        raise SlimeConfigError("--sequence-parallel is not supported by slime's megatron backend yet: its local "
+                               "layer spec uses torch norms, which megatron refuses under sequence parallelism "
+                               "(it needs the Transformer Engine layer spec on GPUs)")
     return tp, pp, cp
 
 
@@ -88,7 +90,7 @@ class MegatronBackend:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.tp, _, _ = _check_parallel(args, world_size, self.device.type == "cuda")
+        self.tp, _, _ = _check_parallel(args, world_size)
         sft = getattr(args, "loss_type", None) == "sft_loss"
         self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
@@ -218,7 +220,7 @@ class MegatronBackend:
     def _tp_max(self, n: int) -> int:
         if self.tp == 1:
             return n
-        t = torch.tensor([n], dtype=torch.long)
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
         return int(t[0])
 
@@ -277,10 +279,17 @@ class MegatronBackend:
     def _finish_step(self) -> float:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        params = list(self.model.parameters())
+        named = list(self.model.named_parameters())
+        params = [p for _, p in named]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.tp > 1:
+            # q/k norms are replicated but each TP rank applies them to its own heads only: their
+            # gradients are partial sums over the group (megatron's finalize_model_grads does the same)
+            for name, p in named:
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    dist.all_reduce(p.grad, group=self.tp_group)
         if dist.get_world_size(self.dp_group) > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=self.dp_group)
