@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -49,14 +50,22 @@ def test_ray_job_submit_train(task, tmp_path):
                "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
                "--hf-checkpoint", task["model"], "--rollout-max-response-len", "4", "--lr", "1e-3",
                "--micro-batch-size", "4", "--output-dir", str(out), "--seed", "7"]
-        proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        log = proc.stdout + proc.stderr
+        deadline = time.monotonic() + 120
+        while True:  # right after `ray start` the head's job agent may not have registered yet
+            proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+            log = proc.stdout + proc.stderr
+            if proc.returncode == 0 or "No available agent to submit job" not in log or time.monotonic() > deadline:
+                break
+            time.sleep(3)
         assert proc.returncode == 0, log[-4000:]
         assert f"Job '{job_id}' succeeded" in log
 
-        status = subprocess.run(["ray", "job", "status", "--address", head.dashboard, job_id], env=ray_env(),
-                                capture_output=True, text=True, timeout=120)
-        assert "SUCCEEDED" in status.stdout + status.stderr
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = JobSubmissionClient(head.dashboard)
+        assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
+        info = client.get_job_info(job_id)
+        assert info.runtime_env["env_vars"]["SLIME_JOB_MARKER"] == job_id  # the job's env, as shipped
 
         # train.py attached to this cluster (no private local Ray) and trained two rollouts
         assert "Started a local Ray instance" not in log
