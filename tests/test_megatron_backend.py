@@ -166,46 +166,32 @@ def _train_capturing(args, batch, rollouts=1):
 
 
 @pytest.mark.slow
-def test_train_step_matches_fsdp(tiny_model_dir, tmp_path):
-    """Same batch, loss (PPO clip + k3 KL + entropy), AdamW settings and micro-batches: the megatron
-    backend's gradients and metrics are FSDP's, and its updated weights are one torch AdamW step
-    with those gradients from the HF weights."""
+def test_train_steps_match_fsdp(tiny_model_dir, tmp_path):
+    """Same batch, loss (PPO clip + k3 KL + entropy), AdamW settings and micro-batches, two rollouts of
+    two optimizer steps each: the megatron backend's gradients at every step, its metrics and its
+    updated weights are the FSDP backend's."""
     batch = synthetic_batch(tiny_model_dir, 8, seed=12)
-    one_step = list(COMMON)
-    one_step[one_step.index("--global-batch-size") + 1] = 8
     runs = {}
     for backend in ("fsdp", "megatron"):
-        args = make_args(tiny_model_dir, tmp_path, *one_step, "--micro-batch-size", 3, "--clip-grad", 0.5,
+        args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 3, "--clip-grad", 0.5,
                          "--train-backend", backend)
-        assert args.num_steps_per_rollout == 1
-        runs[backend] = _train_capturing(args, batch)
-    (gf, (mf,), sf), (gm, (mm,), sm) = runs["fsdp"], runs["megatron"]
-    assert len(gf) == len(gm) == 1
-    assert set(gm[0]) == set(gf[0])
-    assert_states_close(gm[0], gf[0], atol=1e-6, rtol=1e-4)  # observed ~1e-8
-    assert set(mm) == set(mf)
-    for k in mf:
-        assert mm[k] == pytest.approx(mf[k], rel=1e-5, abs=1e-7), k
-    assert mm["train/grad_norm"] > 0.5  # clipping was active
-    assert mm["train/entropy_loss"] > 0
-
-    # the update: torch AdamW with the same settings, applied to the HF weights with these gradients
-    model = hf_model(tiny_model_dir)
-    params = dict(model.named_parameters())
-    opt = torch.optim.AdamW(params.values(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                            eps=args.adam_eps, weight_decay=args.weight_decay)
-    for name, p in params.items():
-        p.grad = gf[0][name]
-    opt.step()
-    expected = {k: v.detach() for k, v in model.state_dict().items()}
-    assert set(sm) == set(expected)
-    assert_states_close(sm, expected, atol=1e-6)
+        assert args.num_steps_per_rollout == 2
+        runs[backend] = _train_capturing(args, batch, rollouts=2)
+    (gf, mf, sf), (gm, mm, sm) = runs["fsdp"], runs["megatron"]
+    assert len(gf) == len(gm) == 4
+    for a, b in zip(gm, gf):
+        assert set(a) == set(b)
+        assert_states_close(a, b, atol=1e-6, rtol=1e-4)  # observed ~1e-8
+    for a, b in zip(mm, mf):
+        assert set(a) == set(b)
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert mm[0]["train/grad_norm"] > 0.5  # clipping was active
+    assert mm[0]["train/ppo_kl"] != 0 and mm[1]["train/kl_loss"] > 0
     initial = dict(hf_model(tiny_model_dir).state_dict())
+    assert set(sm) == set(initial) == set(sf)
     assert min((sm[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # every weight moved
-    # FSDP's updated decoder layers agree. (Its root unit's parameters - embedding / tied head and the
-    # final norm - were observed not to change in FSDP's optimizer step here; not compared.)
-    layers = [k for k in sm if k.startswith("model.layers.")]
-    assert_states_close({k: sm[k] for k in layers}, {k: sf[k] for k in layers}, atol=1e-6)
+    assert_states_close(sm, sf, atol=1e-5)
 
 
 @pytest.mark.slow
