@@ -38,15 +38,20 @@ def hf_model(model_dir):
 
 def _gqa_model(tiny_model_dir, out, kind):
     """The tiny model's shape with 4 query heads over 2 KV groups (so TP=2 can split them) and
-    non-trivial norms (Qwen3: with q/k norms); the tiny model's tokenizer files."""
-    from transformers import AutoConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    non-trivial norms and biases (Qwen3: q/k norms; Qwen2: q/k/v biases, untied head); the tiny
+    model's tokenizer files."""
+    from transformers import (
+        AutoConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
     cls = LlamaForCausalLM
+    common = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")}
     if kind == "qwen3":
-        cfg = Qwen3Config(**{k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")})
-        cls = Qwen3ForCausalLM
+        cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif kind == "qwen2_untied":  # q/k/v biases; an untied output layer (vocabulary-parallel)
+        cfg, cls = Qwen2Config(**{**common, "tie_word_embeddings": False}), Qwen2ForCausalLM
     torch.manual_seed(3)
     model = cls(cfg).to(torch.float32)
     with torch.no_grad():
@@ -247,7 +252,7 @@ def ray_session():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_untied"])
 def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_session):
     """TP=2 (2 ranks, one TP group), DP=2 (TP=1) and one rank: the same metrics and weights after two
     AdamW steps (through full_state: the TP shards gathered back to HF names). Qwen3's q/k norms are
@@ -275,6 +280,9 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
         finally:
             group.shutdown()
     m1, s1 = results["one"]
+    assert set(s1) == set(hf_model(gqa_model_dir).state_dict())  # HF names, biases and untied head included
+    if kind == "qwen2_untied":
+        assert {"lm_head.weight", "model.layers.0.self_attn.q_proj.bias"} <= set(s1)
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-5  # first pass: the HF model's log-probs
     assert m1["train/ppo_kl"] != 0
     for name in set(layouts) - {"one"}:
