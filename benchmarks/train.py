@@ -6,8 +6,8 @@
 Per model:
   (a) overhead: tokens/s of one `TrainActor.train` step (GRPO loss, FSDP2 on one rank, packed
       micro-batches) against a bare Hugging Face forward + backward + grad clip + AdamW over the
-      same micro-batches in the same (packed) layout. Steps alternate between the two so a shared
-      machine's noise hits both; the fastest step counts (other jobs only add time). Goal: overhead under 15%.
+      same micro-batches in the same (packed) layout. All variants of (a) and (b) take turns step by
+      step so a shared machine's noise hits all; the fastest step counts (other jobs only add time). Goal: overhead under 15%.
   (b) layout: slime trainer tokens/s with packed micro-batches (default), padded ones
       (--disable-sequence-packing), and token-budget micro-batches (--use-dynamic-batch-size), on
       a batch whose lengths follow a long tail.
@@ -133,56 +133,48 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_overhead(model_dir, tmp, batch, mbs, steps, n_params, peak) -> list[dict]:
-    actor = slime_actor(slime_args(model_dir, tmp, len(batch), mbs))
-    try:
-        dev = actor.backend.device
-        bare = BareTrainer(model_dir, dev)
-        mbs_idx = actor._micro_batches(batch, list(range(len(batch))))
-        actor.train(0, batch)  # warm-up
-        bare.step(batch, mbs_idx)
-        t_slime, t_bare = [], []
-        for s in range(steps):
-            t_slime.append(timed(lambda: (actor.train(s + 1, batch), _sync(dev))))
-            t_bare.append(timed(lambda: (bare.step(batch, mbs_idx), _sync(dev))))
-    finally:
-        actor.shutdown()
-    tokens = sum(len(t) for t in batch.tokens)
-    out = []
-    for name, ts in (("slime", t_slime), ("bare_hf", t_bare)):
-        sec = min(ts)
-        out.append(_record("overhead", name, tokens, sec, ts, n_params, peak, micro_batch_size=mbs))
-    out[0]["overhead_pct"] = 100.0 * (min(t_slime) / min(t_bare) - 1.0)
-    return out
-
-
-def bench_layout(model_dir, tmp, batch, mbs, budget, steps, n_params, peak) -> list[dict]:
+def bench_training(model_dir, tmp, batch, mbs, budget, steps, n_params, peak) -> list[dict]:
+    """(a) and (b) in one loop: the slime variants and the bare loop take turns step by step, so
+    every measurement sees the same machine state; the fastest step of each counts."""
     variants = [("packed", []), ("padded", ["--disable-sequence-packing"]),
                 ("dynamic_packed", ["--use-dynamic-batch-size", "--max-tokens-per-gpu", budget])]
     actors = {}
     try:
         for name, extra in variants:
             actors[name] = slime_actor(slime_args(model_dir, tmp, len(batch), mbs, *extra))
-            actors[name].train(0, batch)  # warm-up
-        times: dict[str, list[float]] = {name: [] for name, _ in variants}
-        for s in range(steps):
-            for name, _ in variants:
-                dev = actors[name].backend.device
-                times[name].append(timed(lambda: (actors[name].train(s + 1, batch), _sync(dev))))
-        n_mbs = {name: len(a._micro_batches(batch, list(range(len(batch))))) for name, a in actors.items()}
+        dev = actors["packed"].backend.device
+        bare = BareTrainer(model_dir, dev)
+        everything = list(range(len(batch)))
+        n_mbs = {name: len(a._micro_batches(batch, everything)) for name, a in actors.items()}
+        bare_mbs = actors["packed"]._micro_batches(batch, everything)
+        runs = {name: (lambda a=a, s=[0]: (s.__setitem__(0, s[0] + 1), a.train(s[0], batch), _sync(dev)))
+                for name, a in actors.items()}
+        runs["bare_hf"] = lambda: (bare.step(batch, bare_mbs), _sync(dev))
+        for fn in runs.values():  # warm-up
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(steps):
+            for name, fn in runs.items():
+                times[name].append(timed(fn))
     finally:
         for a in actors.values():
             a.shutdown()
     tokens = sum(len(t) for t in batch.tokens)
+    best = {name: min(ts) for name, ts in times.items()}
+    out = [_record("overhead", "slime", tokens, best["packed"], times["packed"], n_params, peak,
+                   micro_batch_size=mbs, overhead_pct=100.0 * (best["packed"] / best["bare_hf"] - 1.0)),
+           _record("overhead", "bare_hf", tokens, best["bare_hf"], times["bare_hf"], n_params, peak,
+                   micro_batch_size=mbs)]
     padded_tokens = sum(len(idx) * max(len(batch.tokens[i]) for i in idx)
-                        for idx in [list(range(i, min(i + mbs, len(batch)))) for i in range(0, len(batch), mbs)])
-    out = [_record("layout", name, tokens, min(ts), ts, n_params, peak, micro_batches=n_mbs[name])
-           for name, ts in times.items()]
-    packed = min(times["packed"])
-    for r in out:
-        r["speedup_vs_padded"] = min(times["padded"]) / r["seconds"]
-    out[1]["padding_fraction"] = 1.0 - tokens / padded_tokens
-    out[0]["gain_pct"] = 100.0 * (min(times["padded"]) / packed - 1.0)
+                        for idx in [everything[i : i + mbs] for i in range(0, len(batch), mbs)])
+    for name, _ in variants:
+        r = _record("layout", name, tokens, best[name], times[name], n_params, peak, micro_batches=n_mbs[name],
+                    speedup_vs_padded=best["padded"] / best[name])
+        if name == "packed":
+            r["gain_pct"] = 100.0 * (best["padded"] / best["packed"] - 1.0)
+        if name == "padded":
+            r["padding_fraction"] = 1.0 - tokens / padded_tokens
+        out.append(r)
     return out
 
 
@@ -334,8 +326,7 @@ def run_model(label, model_dir, quick, peak, tmp) -> list[dict]:
     batch = long_tail_batch(n, cfg.vocab_size, max_len, seed=1)
     budget = max(max(len(t) for t in batch.tokens), sum(len(t) for t in batch.tokens) // max(1, n // mbs))
     records = []
-    for fn in (lambda: bench_overhead(model_dir, tmp, batch, mbs, steps, n_params, peak),
-               lambda: bench_layout(model_dir, tmp, batch, mbs, budget, steps, n_params, peak),
+    for fn in (lambda: bench_training(model_dir, tmp, batch, mbs, budget, steps, n_params, peak),
                lambda: bench_weight_sync(model_dir, 2 if quick else 3, 512 * 10**6)):
         for r in fn():
             r.update(model=label, params=n_params, device="cuda" if torch.cuda.is_available() else "cpu",
