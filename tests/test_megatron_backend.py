@@ -3,7 +3,6 @@ and the FSDP backend. Skipped without megatron-core."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 

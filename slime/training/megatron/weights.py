@@ -67,7 +67,8 @@ def load_hf_into(model, hf_state: dict[str, Tensor], config, tp: int, tp_rank: i
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:
-        raise SlimeError(f"weights do not match the megatron model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise SlimeError(f"weights do not match the megatron model (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
     with torch.no_grad():
         for name, p in params.items():
             t = shard(name, full[name], partition_dim(p), tp, tp_rank)
