@@ -142,7 +142,8 @@ def test_flags_resolve_and_refuse(tiny_model_dir, data_file):
 @pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
 def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_path):
     """Each mode puts new weights into a running native engine, bucket by bucket, checked by the
-    engine's checksums; the distributed group is made once and reused."""
+    engine's checksums; the distributed group is made once and reused, and made again when the
+    engine no longer has it (a restart)."""
     from slime.engines.client import get_json
     from slime.training.weight_push import WeightPusher
     from slime.utils.weights import tensor_digest
@@ -155,7 +156,11 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     pusher = WeightPusher(args, rank=0)
     with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _proc):
         try:
-            for version in (1, 2):
+            for version in (1, 2, 3):
+                if mode == "distributed" and version == 3:  # as if the engine had been restarted
+                    from slime.engines.client import post_json
+
+                    post_json(url, "/destroy_weights_update_group", {"group_name": pusher._group.group_name})
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.01 * version)
@@ -165,9 +170,9 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
                 served = get_json(url, "/weights_checksum")["checksums"]
                 assert served == {n: tensor_digest(p) for n, p in model.named_parameters()}
                 assert get_json(url, "/get_weight_version")["weight_version"] == str(version)
-                if mode == "distributed":
+                if mode == "distributed":  # made once and reused; rebuilt when the engine lost it
                     group = pusher._group
-                    assert group is not None and (version == 1 or group is first_group)
-                    first_group = group
+                    assert group is not None and (version == 1 or (group is first_group) == (version == 2))
+                    first_group = group if version == 1 else first_group
         finally:
             pusher.close()

@@ -6,7 +6,9 @@
   engines form a private process group (gloo on CPU, NCCL on GPU; SGLang's
   `/init_weights_update_group` + `/update_weights_from_distributed`), made once and reused;
   each bucket of at most `--update-weight-buffer-size` tensor bytes is announced over HTTP
-  and broadcast. A failed push drops the group (the next push builds a new one); a push to
+  and broadcast. Before each push rank 0 checks that every engine still has the group (a
+  restarted engine has not) and rebuilds it if not; a failed push drops the group (the next
+  push builds a new one); a push to
   a subset of the engines (one restarted engine under --use-fault-tolerance) goes by `tensor`.
 - `disk` (default with `--colocate` and the native engine): same-host hand-off by path. Each
   bucket is written as safetensors into shared memory (`/dev/shm` when present) and the engine
@@ -138,6 +140,8 @@ class WeightPusher:
             raise ValueError(f"unknown --update-weights-mode {mode!r}")
         if self.rank != 0:
             return broadcast_weights(named_weights, engine_urls, weight_version, size, send=False)
+        if self._group is not None and not self._group_intact():
+            self.close()  # an engine was restarted (--use-fault-tolerance) and left the group
         if self._group is None:
             self._group = self._new_group(engine_urls)
         try:
@@ -145,6 +149,20 @@ class WeightPusher:
         except Exception:
             self.close()  # e.g. an engine left the group: the next push builds a new one
             raise
+
+    def _group_intact(self) -> bool:
+        """Whether every engine still has the group (engines that report their groups in
+        /get_server_info, as the native one does; others are assumed to)."""
+        from slime.engines.client import EngineError, get_json
+
+        for url in self._group.engine_urls:
+            try:
+                groups = get_json(url, "/get_server_info", timeout=30).get("weight_update_groups")
+            except EngineError:
+                return False
+            if groups is not None and self._group.group_name not in groups:
+                return False
+        return True
 
     def _new_group(self, engine_urls: list[str]):
         import uuid
