@@ -418,14 +418,6 @@ def validate(args: Args) -> Args:
              "--sglang-router-ip and --sglang-router-port go together")
     _require(args.rollout_health_check_interval > 0 and args.rollout_health_check_timeout > 0,
              "--rollout-health-check-interval and --rollout-health-check-timeout must be > 0")
-    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
-        from slime.engines.vllm import check_vllm_args
-
-        check_vllm_args(args)
-    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
-        from slime.engines.sglang import check_sglang_args
-
-        check_sglang_args(args)
     if args.colocate:
         _require(
             args.rollout_num_gpus == args.dp_size,
@@ -438,6 +430,22 @@ def validate(args: Args) -> Args:
     _require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
              "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
              "directories from disk); use tensor or distributed")
+    # what each external backend's weight endpoints take: SGLang's /update_weights_from_tensor wants
+    # CUDA-IPC handles (not implemented here), vLLM's adapter has no process-group endpoint
+    _require(args.rollout_backend != "sglang" or args.update_weights_mode == "distributed",
+             "--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its own "
+             "GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
+    _require(args.rollout_backend != "vllm" or args.update_weights_mode == "tensor",
+             "--rollout-backend vllm takes weights as tensors (--update-weights-mode tensor); its adapter has no "
+             "process-group endpoint")
+    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
+        from slime.engines.vllm import check_vllm_args
+
+        check_vllm_args(args)
+    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
+        from slime.engines.sglang import check_sglang_args
+
+        check_sglang_args(args)
 
     # files
     hf = Path(args.hf_checkpoint)

@@ -154,6 +154,6 @@ def test_two_train_ranks_and_two_engines(task, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 engine(s) at" in proc.stdout and "2 train rank(s)" in proc.stdout
     logs = sorted(p.name for p in (out / "logs").iterdir())
-    assert logs == ["engine_0.log", "engine_1.log"]
+    assert logs == ["engine_0.log", "engine_1.log", "router.log"]
     for rec in records(out):
         assert rec["train/train_rollout_logprob_abs_diff"] < 1e-3

@@ -19,7 +19,6 @@ import torch
 from slime.arguments import parse_args
 from slime.engines.client import EngineClient, EngineError, get_json, wait_until_healthy
 from slime.engines.sglang import (
-    COLOCATE_MEM_FRACTION,
     SGLangControl,
     base_gpu_id,
     broadcast_layout,
@@ -179,19 +178,11 @@ def test_base_gpu_id_layouts():
         base_gpu_id(a, 0, ray_gpu_ids=[5], visible_devices="0,1")
 
 
-def test_colocate_adds_memory_saver_and_fraction(fake_sglang, tiny_model_dir, data_file):
-    args = _args(tiny_model_dir, data_file, "--colocate", "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2")
-    cmd = sglang_command(args, 1, "127.0.0.1", 4000)
-    assert "--enable-memory-saver" in cmd
-    assert _opt(cmd, "--mem-fraction-static") == str(COLOCATE_MEM_FRACTION)
-    assert _opt(cmd, "--base-gpu-id") == "1"
-    # the user's fraction and seed replace slime's defaults (one occurrence each)
-    args = _args(tiny_model_dir, data_file, "--colocate", "--sglang-mem-fraction-static", "0.7",
-                 "--sglang-random-seed", "3")
-    cmd = sglang_command(args, 0, "127.0.0.1", 4000)
-    assert cmd.count("--mem-fraction-static") == 1 and _opt(cmd, "--mem-fraction-static") == "0.7"
-    assert cmd.count("--random-seed") == 1 and _opt(cmd, "--random-seed") == "3"
-    assert cmd.count("--enable-memory-saver") == 1
+def test_colocated_sglang_is_refused_at_parse_time(fake_sglang, tiny_model_dir, data_file):
+    with pytest.raises(SlimeConfigError, match="colocated SGLang .* is not implemented, so drop --colocate"):
+        _args(tiny_model_dir, data_file, "--colocate", "--actor-num-gpus-per-node", "2", "--rollout-batch-size", "2")
+    seeded = sglang_command(_args(tiny_model_dir, data_file, "--sglang-random-seed", "3"), 0, "127.0.0.1", 4000)
+    assert seeded.count("--random-seed") == 1 and _opt(seeded, "--random-seed") == "3"  # the user's replaces slime's
 
 
 def test_forwarding_values_bare_flags_equals_form_and_lists(fake_sglang, tiny_model_dir, data_file):
@@ -320,19 +311,20 @@ print(json.dumps([b.float().tolist() for b in bufs]))
 
 
 def test_trainer_group_meets_an_sglang_style_engine_end():
-    """`sglang_weight_group` (rank 0) and an engine process joined the way SGLang's
+    """The trainer's group end (`new_group` rank 0, as `init_broadcast_group` makes it) and an
+    engine process joined the way SGLang's
     init_custom_process_group joins (tcp:// rendezvous, PrefixStore(group), torch's
     _new_process_group_helper) exchange broadcasts, in order, over gloo."""
     import subprocess
 
     from slime.engines.launcher import free_port
-    from slime.engines.sglang import sglang_weight_group
+    from slime.engines.native.weight_group import new_group
 
     port = free_port()
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE_END, str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
-        pg = sglang_weight_group("127.0.0.1", port, 2, "wug", backend="gloo", timeout_s=60)
+        pg, _store = new_group("127.0.0.1", port, 0, 2, "wug", backend="gloo", timeout_s=60)
         sent = [torch.tensor([1.0, -2.0, 3.5]), torch.tensor([[0.5, 1.5], [2.5, -4.0]], dtype=torch.bfloat16)]
         for t in sent:
             pg.broadcast(t, 0).wait()
@@ -511,7 +503,7 @@ def test_distributed_update_with_sglang_bodies_against_native(server, tiny_model
     trainer's end is rank 0 of the group the native engine joins (gloo on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from slime.training.weight_sync import _new_broadcast_pg
+    from slime.engines.native.weight_group import new_group
     from slime.engines.launcher import free_port
     from slime.utils.weights import tensor_digest
 
@@ -531,7 +523,7 @@ def test_distributed_update_with_sglang_bodies_against_native(server, tiny_model
         try:
             join = asyncio.create_task(ctl.init_weights_update_group("127.0.0.1", port, offsets[0], world,
                                                                      group_name="sgl", backend="gloo"))
-            pg, store = await asyncio.to_thread(_new_broadcast_pg, "127.0.0.1", port, world, "sgl", "gloo", 60)
+            pg, store = await asyncio.to_thread(new_group, "127.0.0.1", port, 0, world, "sgl", "gloo", 60)
             assert (await join)["success"] is True
             upd = asyncio.create_task(ctl.update_weights_from_distributed(
                 [n for n, _ in sent], [t.dtype for _, t in sent], [list(t.shape) for _, t in sent],

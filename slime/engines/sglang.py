@@ -11,15 +11,15 @@ Three jobs:
    request bodies of SGLang's request structs (`sglang/srt/managers/io_struct.py`) and
    the answers SGLang gives (JSON, plain text, an empty body or `null`) read the same way.
    The native engine speaks the same protocol; see docs/engines/sglang.md for the gaps.
-3. `broadcast_layout(...)` and `sglang_weight_group(...)`: the trainer's end of a weight
-   broadcast to SGLang engines (the mode itself is `--update-weights-mode`, resolved by
+3. `broadcast_layout(...)`: the ranks of a weight broadcast to SGLang engines (both ends build
+   the group with `slime.engines.native.weight_group.new_group`, SGLang's way) (the mode itself is `--update-weights-mode`, resolved by
    `slime.training.weight_push.resolve_mode`; router registration is `slime.engines.router`).
 
 Flags slime manages (`MANAGED_FLAGS`): giving one through `--sglang-*` is an error naming
 the slime flag to use instead (an override would desynchronise slime's placement, its
 client or its weight-sync group from the server). Values slime only *defaults*
-(`--random-seed`, and with `--colocate` `--mem-fraction-static`) are overridden by the
-user's `--sglang-*` value.
+(`--random-seed`) are overridden by the user's `--sglang-*` value. Colocated SGLang engines
+are refused at parse time: their weight updates need CUDA-IPC handles, not implemented.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ MANAGED_FLAGS = {
 }
 # Would make one engine use other devices than the --rollout-num-gpus-per-engine slime reserved for it.
 ONE_ONLY_FLAGS = ("dp_size", "pp_size", "nnodes")
-COLOCATE_MEM_FRACTION = 0.5  # --colocate: SGLang's share of a GPU it shares with a train rank
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 
@@ -213,11 +212,6 @@ def sglang_command(args, rank: int, host: str, port: int, parser: argparse.Argum
     ]
     if "random_seed" not in user_dests:
         cmd += ["--random-seed", str(args.seed + rank)]
-    if args.colocate:
-        if "enable_memory_saver" not in user_dests:
-            cmd.append("--enable-memory-saver")  # needed by /release_memory_occupation
-        if "mem_fraction_static" not in user_dests:
-            cmd += ["--mem-fraction-static", str(COLOCATE_MEM_FRACTION)]
     cmd += user
     try:
         parser.parse_args(cmd[3:])
@@ -244,29 +238,6 @@ def broadcast_layout(num_engines: int, tp_size: int) -> tuple[int, list[int]]:
     if num_engines < 1 or tp_size < 1:
         raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {num_engines}, {tp_size}")
     return 1 + num_engines * tp_size, [1 + i * tp_size for i in range(num_engines)]
-
-
-def sglang_weight_group(master_address: str, master_port: int, world_size: int, group_name: str,
-                        backend: str = "nccl", timeout_s: float = 600.0, rank: int = 0):
-    """Rank `rank` (the trainer: 0) of a weight-update process group whose store keys meet an
-    SGLang engine's end.
-
-    SGLang's engine joins with torch's `tcp://` rendezvous (rank 0 hosts the TCPStore), wraps
-    the store in `PrefixStore(group_name)` and builds the group with torch's
-    `_new_process_group_helper` (which prefixes `<group_name>/` and `<device>/`). A group
-    built another way (e.g. a TCPStore under a different prefix) waits on keys the engine
-    never writes until its timeout. Then broadcast each tensor from rank 0 in `names` order.
-    """
-    import datetime
-
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout)
-    return pg
 
 
 # ---------------------------------------------------------------- control calls

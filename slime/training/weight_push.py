@@ -145,7 +145,8 @@ class WeightPusher:
         if self._group is None:
             self._group = self._new_group(engine_urls)
         try:
-            return broadcast_weights(named_weights, engine_urls, weight_version, size, group=self._group)
+            return broadcast_weights(named_weights, engine_urls, weight_version, size, group=self._group,
+                                     sessions=args.rollout_backend == "sglang")
         except Exception:
             self.close()  # e.g. an engine left the group: the next push builds a new one
             raise
@@ -167,8 +168,10 @@ class WeightPusher:
     def _new_group(self, engine_urls: list[str]):
         import uuid
 
+        # an SGLang engine joins with one rank per tensor-parallel GPU; a native engine with one
+        tp = self.args.rollout_num_gpus_per_engine if self.args.rollout_backend == "sglang" else 1
         return init_broadcast_group(engine_urls, master_address=_this_host(engine_urls),
-                                    group_name=f"slime_weights_{uuid.uuid4().hex[:8]}")
+                                    group_name=f"slime_weights_{uuid.uuid4().hex[:8]}", tp_size=tp)
 
     def close(self) -> None:
         if self._group is not None:

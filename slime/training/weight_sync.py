@@ -134,37 +134,17 @@ class BroadcastGroup:
 
     def close(self, timeout: float = 30.0) -> None:
         from slime.engines.client import EngineError, post_json
+        from slime.engines.native.weight_group import destroy_group
 
         for url in self.engine_urls:
             try:
                 post_json(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=timeout)
             except EngineError as e:
                 logger.warning("could not destroy weight group on %s: %s", url, e)
+        if self.pg is not None:
+            destroy_group(self.pg)
         self.pg = None
         self.store = None
-
-
-def _new_broadcast_pg(master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
-                      timeout_s: float):
-    """Rank 0's process group object over a dedicated TCPStore (no default group involved)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    store = dist.PrefixStore(f"slime_weights/{group_name}", store)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
-        pg = dist.ProcessGroupGloo(store, 0, world_size, opts)
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, 0, world_size, opts)
-    return pg, store  # the store (rank 0 runs its server) must live as long as the group
 
 
 def init_broadcast_group(
@@ -175,13 +155,16 @@ def init_broadcast_group(
     group_name: str = "slime_weight_sync",
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    tp_size: int = 1,
 ) -> BroadcastGroup:
-    """Create the broadcast group: POST /init_weights_update_group to every engine (engine i
-    joins as rank i + 1) while this process joins as rank 0. backend: gloo (CPU tensors) or
-    nccl (CUDA tensors); default nccl when CUDA is available."""
+    """Create the broadcast group: POST /init_weights_update_group to every engine while this
+    process joins as rank 0; engine i's tensor-parallel rank r joins as 1 + i * tp_size + r
+    (SGLang adds its TP rank to the rank_offset it is given; the native engine has one rank).
+    backend: gloo (CPU tensors) or nccl (CUDA tensors); default nccl when CUDA is available."""
     import torch
 
     from slime.engines.client import EngineError, post_json
+    from slime.engines.native.weight_group import new_group
 
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -189,13 +172,13 @@ def init_broadcast_group(
         from slime.engines.launcher import free_port
 
         master_port = free_port(master_address)
-    world_size = len(engine_urls) + 1
+    world_size = 1 + len(engine_urls) * tp_size
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(engine_urls)))) as pool:
         futs = [pool.submit(post_json, url, DIST_INIT_ENDPOINT, {
-            "master_address": master_address, "master_port": master_port, "rank_offset": i + 1,
+            "master_address": master_address, "master_port": master_port, "rank_offset": 1 + i * tp_size,
             "world_size": world_size, "group_name": group_name, "backend": backend}, timeout)
             for i, url in enumerate(engine_urls)]
-        pg, store = _new_broadcast_pg(master_address, master_port, world_size, group_name, backend, timeout)
+        pg, store = new_group(master_address, master_port, 0, world_size, group_name, backend, timeout)
         for url, fut in zip(engine_urls, futs):
             resp = fut.result()
             if not resp.get("success", False):
@@ -216,10 +199,13 @@ def broadcast_weights(
     group: BroadcastGroup | None = None,
     send: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
+    sessions: bool = False,
     **group_kwargs,
 ) -> dict[str, float]:
     """Push weights to every engine over a process group (SGLang's
     `/update_weights_from_distributed` protocol); returns sizes and times like `sync_weights`.
+    `sessions`: wrap the push in SGLang's `/begin_weight_update` ... `/end_weight_update`
+    (SGLang >= 0.5.23 refuses updates outside one; a server without them answers 404, fine).
 
     For each bucket (<= buffer_size tensor bytes) rank 0 POSTs the names/dtypes/shapes to
     every engine and broadcasts the tensors in that order; the engines receive them and copy
@@ -238,6 +224,8 @@ def broadcast_weights(
     if own:
         group = init_broadcast_group(engine_urls, timeout=timeout, **group_kwargs)
     tensor_bytes = n_buckets = 0
+    if sessions:
+        _session_call(engine_urls, "/begin_weight_update", timeout)
     try:
         buckets = iter_buckets(named_weights, buffer_size)
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(engine_urls)))) as pool:
@@ -271,11 +259,25 @@ def broadcast_weights(
                                           endpoint=DIST_ENDPOINT)
                 tensor_bytes += sum(t.numel() * t.element_size() for t in tensors)
                 n_buckets += 1
+        if sessions:
+            _session_call(engine_urls, "/end_weight_update", timeout)
     finally:
         if own:
             group.close()
     return {"bytes": tensor_bytes, "buckets": n_buckets, "seconds": time.perf_counter() - t0,
             "num_engines": len(engine_urls)}
+
+
+def _session_call(engine_urls: list[str], path: str, timeout: float) -> None:
+    """POST an SGLang weight-update session call to every engine; 404 means the server has none."""
+    from slime.engines.client import EngineError, post_json
+
+    for url in engine_urls:
+        try:
+            post_json(url, path, {}, timeout)
+        except EngineError as e:
+            if getattr(e, "status", None) != 404:
+                raise
 
 
 def check_engine_weights(named_weights, engine_urls: list[str], check: bool = True, timeout: float = 600.0) -> int:

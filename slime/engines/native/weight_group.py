@@ -1,10 +1,11 @@
-"""A private process group for broadcasting weights from a trainer to engines.
+"""The process group that carries weights from a trainer (rank 0) to engines (ranks 1..N).
 
-The trainer (rank 0) and every engine (ranks 1..N) meet at a `TCPStore` on
-`master_address:master_port` and build a process group object from it directly
-(`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on GPU), so the group needs no
-`torch.distributed.init_process_group` and does not touch (or require) a default group:
-the trainer keeps its own FSDP group and the engine process has none.
+Both ends build it the way SGLang's engines do (`init_custom_process_group`), so a trainer's
+group meets a native engine and a real SGLang engine alike: torch's `tcp://` rendezvous on
+`master_address:master_port` (rank 0 hosts the TCPStore), the store wrapped in
+`PrefixStore(group_name)`, and the group made by torch's `_new_process_group_helper`
+(gloo on CPU, NCCL on GPU). It needs no `torch.distributed.init_process_group`: the trainer
+keeps its own FSDP group and the engine process has none.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import datetime
 
 import torch
-import torch.distributed as dist
 
 
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -21,21 +21,27 @@ def new_group(master_address: str, master_port: int, rank: int, world_size: int,
 
     Returns (process group, store): `pg.broadcast(tensor, root).wait()`; keep the store alive.
     """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
-    store = dist.PrefixStore(f"slime_weights/{group_name}", store)
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address)]
-        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)
+    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
     return pg, store  # keep the store alive as long as the group
+
+
+def destroy_group(pg) -> None:
+    """Shut a group made by `new_group` down and unregister it (its name can be used again).
+
+    `_new_process_group_helper` with no global ranks records no rank mapping, which torch's
+    `destroy_process_group` expects to delete: give it an empty one first."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._world.pg_group_ranks.setdefault(pg, {})
+    dist.destroy_process_group(pg)

@@ -91,8 +91,8 @@ class EngineWeights:
         """Join a weight-broadcast group as rank `rank_offset` (the trainer is rank 0).
 
         Blocks until every rank has joined (the trainer joins concurrently). The group is
-        private to the trainer and the engines: a TCPStore at master_address:master_port and
-        a process group object built from it, without torch.distributed's default group."""
+        private to the trainer and the engines, built the way SGLang's engines build it
+        (`slime.engines.native.weight_group`), without torch.distributed's default group."""
         from slime.engines.native.weight_group import new_group
 
         if group_name in self._groups:
@@ -104,7 +104,12 @@ class EngineWeights:
         self._groups[group_name] = (pg, rank_offset, world_size, backend, store)
 
     def destroy_weights_update_group(self, group_name: str) -> bool:
-        return self._groups.pop(group_name, None) is not None
+        from slime.engines.native.weight_group import destroy_group
+
+        entry = self._groups.pop(group_name, None)
+        if entry is not None:
+            destroy_group(entry[0])
+        return entry is not None
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
