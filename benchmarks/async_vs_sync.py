@@ -9,9 +9,11 @@ rollouts run three times as whole `train.py` / `train_async.py` processes:
 - fully_async: train_async.py --fully-async (a background loop keeps groups in flight)
 Response lengths follow a heavy-tailed distribution (`benchmarks/long_tail.py`: most responses
 short, a few up to --max-response-len, EOS ignored), so a synchronous rollout waits for its
-slowest group. Each record: wall time of the whole process, generated tokens/s over that wall
-time, the mean `perf/wait_time_ratio` (share of each step the trainer waits for data, rollouts
-after the first), and the mean reward of the first and last three rollouts.
+slowest group. Each record: wall time of the whole process and of its training loop (the sum of
+`perf/step_time`: start-up, the same for every mode, left out), generated tokens/s over the loop
+(`tokens_per_s`) and over the whole process (`tokens_per_s_wall`), the mean
+`perf/wait_time_ratio` (share of each step the trainer waits for data, rollouts after the
+first), and the mean reward of the first and last three rollouts.
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ def run_mode(mode: str, model: Path, data: Path, out: Path, a) -> dict:
         raise SystemExit(f"{mode} failed:\n{r.stderr[-3000:]}")
     recs = [json.loads(line) for line in open(out / "metrics.jsonl") if '"rollout/raw_reward"' in line]
     tokens = sum(rec["rollout/response_len/mean"] * 4 * a.rollout_batch_size for rec in recs)
+    loop = sum(rec["perf/step_time"] for rec in recs)  # the training loop, without start-up
     rewards = [rec["rollout/raw_reward"] for rec in recs]
     return {
-        "mode": mode, "wall_s": round(wall, 1), "tokens_per_s": round(tokens / wall, 1),
+        "mode": mode, "wall_s": round(wall, 1), "loop_s": round(loop, 1), "tokens_per_s": round(tokens / loop, 1),
+        "tokens_per_s_wall": round(tokens / wall, 1),
         "wait_time_ratio": round(statistics.fmean(rec["perf/wait_time_ratio"] for rec in recs[1:]), 3),
         "reward_first3": round(statistics.fmean(rewards[:3]), 3),
         "reward_last3": round(statistics.fmean(rewards[-3:]), 3),
@@ -83,11 +87,13 @@ def main() -> None:
         data, _ = make_tiny_task(tmp / "data", seed=0)
         records = [run_mode(mode, model, data, tmp / mode, a) for mode in a.modes]
     base = next((r for r in records if r["mode"] == "sync"), None)
-    print(f"{'mode':<12} {'wall s':>7} {'tok/s':>7} {'vs sync':>7} {'wait':>6} {'reward first3->last3':>21} {'stale':>5}")
+    print(f"{'mode':<12} {'wall s':>7} {'loop s':>7} {'tok/s':>7} {'vs sync':>7} {'wait':>6} "
+          f"{'reward first3->last3':>21} {'stale':>5}")
     for r in records:
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
         r["throughput_vs_sync"] = round(ratio, 2)
-        print(f"{r['mode']:<12} {r['wall_s']:>7} {r['tokens_per_s']:>7} {ratio:>6.2f}x {r['wait_time_ratio']:>6} "
+        print(f"{r['mode']:<12} {r['wall_s']:>7} {r['loop_s']:>7} {r['tokens_per_s']:>7} {ratio:>6.2f}x "
+              f"{r['wait_time_ratio']:>6} "
               f"{r['reward_first3']:>10} -> {r['reward_last3']:<8} {r['staleness_max']:>5}")
     if a.json:
         Path(a.json).write_text(json.dumps(records, indent=1))
