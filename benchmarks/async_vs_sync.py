@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous vs fully asynchronous training on a long-tail workload.
 
-    python benchmarks/async_vs_sync.py --json async.json [--num-rollout 8] [--max-response-len 64]
+    python benchmarks/async_vs_sync.py --json async.json [--num-rollout 24] [--max-response-len 256]
 
 The same tiny model, prompts (the parity task of examples/tiny_task.py), seed and number of
 rollouts run three times as whole `train.py` / `train_async.py` processes:
@@ -71,9 +71,9 @@ def run_mode(mode: str, model: Path, data: Path, out: Path, a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the records here")
-    p.add_argument("--num-rollout", type=int, default=8)
+    p.add_argument("--num-rollout", type=int, default=24)
     p.add_argument("--rollout-batch-size", type=int, default=8)
-    p.add_argument("--max-response-len", type=int, default=64)
+    p.add_argument("--max-response-len", type=int, default=256)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     a = p.parse_args()
 
