@@ -30,7 +30,6 @@ import datetime
 import inspect
 import json
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
+from slime.training.backend_common import StepTail
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _distributed_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-class FSDPBackend:
+class FSDPBackend(StepTail):
     """One data-parallel rank of an FSDP2-sharded Hugging Face causal LM plus its optimizer."""
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
@@ -310,26 +310,9 @@ class FSDPBackend:
                 lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
             loss = loss_fn(k, lp, ent)
             loss.backward()
-        max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        grad_norm = _full(grad_norm).item()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            logger.warning("rank %d: non-finite grad norm %s, skipping the optimizer step", self.rank, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        t = tensor.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32).clone()
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm())
+        return self._step_if_finite(_full(grad_norm).item())
 
     # ------------------------------------------------------------ weights
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import math
 import os
 import shutil
@@ -41,10 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
+from slime.training.backend_common import StepTail
 from slime.training.megatron import shims
 from slime.utils.errors import SlimeConfigError
 
-logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
@@ -70,7 +69,7 @@ def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
     return tp, pp, cp
 
 
-class MegatronBackend:
+class MegatronBackend(StepTail):
     """One train rank of a megatron-core GPTModel (TP-sharded) plus its optimizer."""
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
@@ -303,27 +302,12 @@ class MegatronBackend:
         if self.tp > 1:
             dist.all_reduce(sq, group=self.tp_group)
         grad_norm = float(sq.sqrt())
-        max_norm = self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf
         if math.isfinite(grad_norm):
-            coef = min(max_norm / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+            coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
             if coef < 1.0:
                 for p in params:
                     p.grad.mul_(coef)
-            self.optimizer.step()
-        else:
-            logger.warning("rank %d: non-finite grad norm %s, skipping the optimizer step", self.rank, grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    @property
-    def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        t = tensor.detach().to(self.device, torch.float64 if self.device.type == "cpu" else torch.float32).clone()
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.cpu()
+        return self._step_if_finite(grad_norm)
 
     # ------------------------------------------------------------ weights
 
