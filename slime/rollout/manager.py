@@ -32,8 +32,7 @@ from slime.data.dataset import load_prompts
 from slime.data.source import DataSource, RolloutDataSource, prompt_sample
 from slime.engines.launcher import EngineServer
 from slime.engines.router import EnginePool
-from slime.rollout import debug_data, sft
-from slime.rollout import api
+from slime.rollout import api, debug_data, sft
 from slime.rollout.group_generation import FullyAsyncGenerator, GroupRunner, generate_groups, generate_until
 from slime.rollout.filters import as_filter_output
 from slime.rollout.rewards import build_reward
@@ -250,7 +249,7 @@ class RolloutManager:
         aborted and go back to the data buffer to continue next rollout; with --fully-async they come
         from the background generation loop. Then `--rollout-sample-filter-path` marks samples to
         keep out of the loss. Returns (kept samples in group order, every generated sample, metrics)."""
-        args, target = self.args, self.args.rollout_batch_size
+        args = self.args
         drops: dict[str, int] = {}
         if args.fully_async:
             kept, generated, rounds, fallback = self._take_fully_async(rollout_id, drops)
