@@ -3,7 +3,9 @@
 Flag names follow the original slime (Megatron-style training names, `--rollout-*`
 for generation, `--sglang-*` passed through to the engines). `parse_args` returns a
 frozen `Args`; every derived value (data-parallel size, number of engines, steps per
-rollout, output directory, ...) is computed here, nowhere else.
+rollout, output directory, ...) is computed in `validate`, nowhere else; the checks of
+the engine, custom-rollout, async, algorithm, batching, megatron and debug flag groups it
+runs live in `slime.argument_checks`.
 
 Errors are `SlimeConfigError`s whose message names the flag; `main`-style callers
 print them as one line (see `slime.utils.errors.run_main`).
@@ -18,6 +20,17 @@ import os
 import sys
 from pathlib import Path
 
+from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-exported)
+    POLICY_LOSS_OF_ESTIMATOR,
+    require,
+    validate_algorithm,
+    validate_async,
+    validate_batching,
+    validate_custom_rollout,
+    validate_debug,
+    validate_engines,
+    validate_megatron,
+)
 from slime.utils.errors import SlimeConfigError
 
 SGLANG_PREFIX = "--sglang-"
@@ -29,8 +42,6 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 TIS_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
-POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
 RM_TYPES = ("math", "exact", "reasoning_gym", "remote_rm")
 
 
@@ -372,19 +383,14 @@ def _collect_pass_through(extra: list[str]) -> dict[str, dict[str, object]]:
     return out
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise SlimeConfigError(message)
-
-
 def _parse_eval_sets(values: list[str] | None) -> dict[str, str]:
     if not values:
         return {}
     if len(values) == 1:
         return {"eval": values[0]}
-    _require(len(values) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values: {values}")
+    require(len(values) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values: {values}")
     sets = dict(zip(values[::2], values[1::2]))
-    _require(len(sets) == len(values) // 2, f"--eval-prompt-data repeats a name: {values[::2]}")
+    require(len(sets) == len(values) // 2, f"--eval-prompt-data repeats a name: {values[::2]}")
     return sets
 
 
@@ -401,79 +407,46 @@ def validate(args: Args) -> Args:
     """Check every flag and compute derived values; returns the frozen args."""
     # cluster
     for flag in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
-        _require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+        require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.dp_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = args.dp_size if args.colocate else 1
-    _require(args.rollout_num_gpus >= 1, f"--rollout-num-gpus must be >= 1, got {args.rollout_num_gpus}")
-    _require(
+    require(args.rollout_num_gpus >= 1, f"--rollout-num-gpus must be >= 1, got {args.rollout_num_gpus}")
+    require(
         args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
         f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
         f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
     )
     args.num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
-    _require(args.sglang_server_concurrency >= 1,
-             f"--sglang-server-concurrency must be >= 1, got {args.sglang_server_concurrency}")
-    _require((args.sglang_router_ip is None) == (args.sglang_router_port is None),
-             "--sglang-router-ip and --sglang-router-port go together")
-    _require(args.rollout_health_check_interval > 0 and args.rollout_health_check_timeout > 0,
-             "--rollout-health-check-interval and --rollout-health-check-timeout must be > 0")
-    if args.colocate:
-        _require(
-            args.rollout_num_gpus == args.dp_size,
-            f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
-            f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
-        )
-    from slime.training.weight_push import resolve_mode
-
-    args.update_weights_mode = resolve_mode(args.update_weights_mode, args.colocate, args.rollout_backend)
-    _require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
-             "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
-             "directories from disk); use tensor or distributed")
-    # what each external backend's weight endpoints take: SGLang's /update_weights_from_tensor wants
-    # CUDA-IPC handles (not implemented here), vLLM's adapter has no process-group endpoint
-    _require(args.rollout_backend != "sglang" or args.update_weights_mode == "distributed",
-             "--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its own "
-             "GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
-    _require(args.rollout_backend != "vllm" or args.update_weights_mode == "tensor",
-             "--rollout-backend vllm takes weights as tensors (--update-weights-mode tensor); its adapter has no "
-             "process-group endpoint")
-    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
-        from slime.engines.vllm import check_vllm_args
-
-        check_vllm_args(args)
-    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
-        from slime.engines.sglang import check_sglang_args
-
-        check_sglang_args(args)
+    validate_engines(args)
 
     # files
     hf = Path(args.hf_checkpoint)
-    _require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
-    _require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
-    _require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
-             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
+    require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
+    require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
+    require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
+            "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
     if args.prompt_data is not None:
-        _require(_data_file(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
+        require(_data_file(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
     args.eval_sets = _parse_eval_sets(args.eval_prompt_data)
     for name, path in args.eval_sets.items():
-        _require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
-    _validate_custom_rollout(args)
+        require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
+    validate_custom_rollout(args)
     if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
     if args.load is not None:
-        _require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
-    _require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
-    _require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
+        require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
+    require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
+    require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
 
     # rollout
-    _require(args.rollout_batch_size >= 1, f"--rollout-batch-size must be >= 1, got {args.rollout_batch_size}")
-    _require(args.n_samples_per_prompt >= 1, f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
-    _require(args.rollout_temperature >= 0, f"--rollout-temperature must be >= 0, got {args.rollout_temperature}")
-    _require(0 < args.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
-    _require(args.rollout_top_k == -1 or args.rollout_top_k >= 1, f"--rollout-top-k must be -1 or >= 1, got {args.rollout_top_k}")
-    _require(args.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
-    _require(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1")
+    require(args.rollout_batch_size >= 1, f"--rollout-batch-size must be >= 1, got {args.rollout_batch_size}")
+    require(args.n_samples_per_prompt >= 1, f"--n-samples-per-prompt must be >= 1, got {args.n_samples_per_prompt}")
+    require(args.rollout_temperature >= 0, f"--rollout-temperature must be >= 0, got {args.rollout_temperature}")
+    require(0 < args.rollout_top_p <= 1, f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+    require(args.rollout_top_k == -1 or args.rollout_top_k >= 1, f"--rollout-top-k must be -1 or >= 1, got {args.rollout_top_k}")
+    require(args.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
+    require(args.n_samples_per_eval_prompt >= 1, "--n-samples-per-eval-prompt must be >= 1")
     for name in ("temperature", "top_p", "top_k", "max_response_len"):
         if getattr(args, f"eval_{name}") is None:
             setattr(args, f"eval_{name}", getattr(args, f"rollout_{name}"))
@@ -486,51 +459,51 @@ def validate(args: Args) -> Args:
     )
     if args.global_batch_size is None:
         steps = args.num_steps_per_rollout or 1
-        _require(samples % steps == 0, f"{rule} ({samples} is not divisible by --num-steps-per-rollout {steps})")
+        require(samples % steps == 0, f"{rule} ({samples} is not divisible by --num-steps-per-rollout {steps})")
         args.global_batch_size = samples // steps
     if args.num_steps_per_rollout is None:
-        _require(
+        require(
             samples % args.global_batch_size == 0,
             f"{rule} ({samples} is not a multiple of --global-batch-size {args.global_batch_size})",
         )
         args.num_steps_per_rollout = samples // args.global_batch_size
-    _require(
+    require(
         samples == args.global_batch_size * args.num_steps_per_rollout,
         f"{rule} ({args.global_batch_size} * {args.num_steps_per_rollout} = "
         f"{args.global_batch_size * args.num_steps_per_rollout})",
     )
-    _require(
+    require(
         args.global_batch_size % args.dp_size == 0,
         f"--global-batch-size {args.global_batch_size} must be divisible by the data-parallel size {args.dp_size}",
     )
-    _require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
-    _validate_batching(args)
+    require(args.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+    validate_batching(args)
 
     # algorithm
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
-    _validate_algorithm(args)
-    _validate_async(args)
-    _validate_megatron(args)
-    _require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
-    _require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    validate_algorithm(args)
+    validate_async(args)
+    validate_megatron(args)
+    require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
+    require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
 
     # length of the run
-    _require(
+    require(
         args.num_rollout is not None or args.num_epoch is not None,
         "one of --num-rollout or --num-epoch is required",
     )
     if args.num_rollout is None:
         from slime.data.dataset import count_rows
 
-        _require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
-        _require(args.prompt_data is not None, "--num-epoch needs --prompt-data (use --num-rollout)")
+        require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
+        require(args.prompt_data is not None, "--num-epoch needs --prompt-data (use --num-rollout)")
         args.num_rollout = max(1, args.num_epoch * count_rows(args.prompt_data) // args.rollout_batch_size)
-    _require(args.num_rollout >= 1 or (args.num_rollout == 0 and (args.eval_sets or args.eval_function_path)),
-             f"--num-rollout must be >= 1 (or 0 with --eval-prompt-data: an eval-only run), got {args.num_rollout}")
-    _require(not (args.num_rollout == 0 and args.skip_eval_before_train),
-             "--num-rollout 0 is an eval-only run; --skip-eval-before-train would leave nothing to do")
-    _validate_debug(args)
+    require(args.num_rollout >= 1 or (args.num_rollout == 0 and (args.eval_sets or args.eval_function_path)),
+            f"--num-rollout must be >= 1 (or 0 with --eval-prompt-data: an eval-only run), got {args.num_rollout}")
+    require(not (args.num_rollout == 0 and args.skip_eval_before_train),
+            "--num-rollout 0 is an eval-only run; --skip-eval-before-train would leave nothing to do")
+    validate_debug(args)
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     return args.freeze()
@@ -540,204 +513,6 @@ def _data_file(spec: str) -> Path:
     from slime.data.dataset import split_slice
 
     return split_slice(spec)[0]
-
-
-def _validate_megatron(args: Args) -> None:
-    """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
-    what the CPU (gloo) build cannot run is refused here with what it needs."""
-    sizes = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
-             "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-             "--context-parallel-size": args.context_parallel_size}
-    for flag, n in sizes.items():
-        _require(n >= 1, f"{flag} must be >= 1, got {n}")
-    if args.train_backend != "megatron":
-        used = [f for f, n in sizes.items() if n != 1] + (["--sequence-parallel"] if args.sequence_parallel else [])
-        _require(not used, f"{', '.join(used)} need --train-backend megatron")
-        return
-    tp, pp, cp = sizes.values()
-    _require(args.dp_size % (tp * pp * cp) == 0,
-             f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
-             f"{args.dp_size} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)")
-    _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
-                      "(it needs megatron's pipeline schedules with a per-stage loss); use tensor and data parallelism")
-    _require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
-                      "megatron-core's local attention has no context-parallel path")
-    _require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _require(not args.sequence_parallel, "--sequence-parallel is not supported by slime's megatron backend yet "
-                                         "(megatron refuses it with the local layer spec's torch norms; it needs "
-                                         "the Transformer Engine spec on GPUs)")
-    _require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
-                                  "megatron yet; use --train-backend fsdp")
-
-
-def _validate_batching(args: Args) -> None:
-    """--use-dynamic-batch-size / --max-tokens-per-gpu (slime.training.actor). A sample longer than
-    the token budget is not an error: it trains alone in its micro-batch. --balance-data needs no
-    check (with one rank it changes nothing)."""
-    if args.use_dynamic_batch_size:
-        _require(args.max_tokens_per_gpu is not None,
-                 "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
-    else:
-        _require(args.max_tokens_per_gpu is None,
-                 "--max-tokens-per-gpu is only used with --use-dynamic-batch-size (add that flag or drop this one)")
-    _require(args.max_tokens_per_gpu is None or args.max_tokens_per_gpu >= 1,
-             f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
-
-
-def _validate_async(args: Args) -> None:
-    _require(args.update_weights_interval >= 1, f"--update-weights-interval must be >= 1, got {args.update_weights_interval}")
-    _require(args.max_staleness is None or args.max_staleness >= 0, f"--max-staleness must be >= 0, got {args.max_staleness}")
-    _require(not args.mask_offpolicy_in_partial_rollout or args.partial_rollout,
-             "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
-    _require(not args.partial_rollout or args.over_sampling_batch_size > args.rollout_batch_size
-             or args.dynamic_sampling_filter_path,
-             "--partial-rollout needs --over-sampling-batch-size > --rollout-batch-size (or a dynamic sampling "
-             "filter): otherwise every launched group is used and nothing is ever aborted")
-    _require(not (args.partial_rollout and args.rollout_function_path),
-             "--partial-rollout is part of the built-in rollout; a --rollout-function-path replaces it")
-    if args.async_groups_in_flight is None:
-        args.async_groups_in_flight = args.over_sampling_batch_size
-    _require(args.async_groups_in_flight >= 1, "--async-groups-in-flight must be >= 1")
-    _require(not (args.fully_async and args.partial_rollout),
-             "--fully-async keeps generating across rollouts; --partial-rollout (abort and resume) does not apply")
-    _require(not (args.fully_async and args.rollout_function_path),
-             "--fully-async is part of the built-in rollout; a --rollout-function-path replaces it")
-
-
-def _validate_custom_rollout(args: Args) -> None:
-    """Reward choice, extension paths (imported now, so a typo fails at start-up naming the flag) and
-    --custom-config-path (its keys become attributes of args)."""
-    if args.rm_type is None:
-        args.rm_type = "remote_rm" if args.rm_url else "math"
-    _require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url URL")
-    _require(args.rm_url is None or args.rm_type == "remote_rm",
-             f"--rm-url is only used with --rm-type remote_rm, not {args.rm_type}")
-    _require(args.rm_url is None or args.rm_url.startswith(("http://", "https://")),
-             f"--rm-url must be an http(s) URL, got {args.rm_url!r}")
-    _require(args.rm_timeout > 0, f"--rm-timeout must be > 0, got {args.rm_timeout}")
-    _require(args.rm_max_retries >= 0, f"--rm-max-retries must be >= 0, got {args.rm_max_retries}")
-    _require(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
-    _require(not args.group_rm or args.custom_rm_path, "--group-rm needs --custom-rm-path (a group reward function)")
-    from slime.utils.hooks import load_function
-
-    for flag in ("rollout_function_path", "custom_generate_function_path", "custom_rm_path", "data_source_path",
-                 "buffer_filter_path", "rollout_sample_filter_path", "eval_function_path"):
-        if getattr(args, flag):
-            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
-    args.custom_config = {}
-    if args.custom_config_path:
-        args.custom_config = _load_custom_config(args, args.custom_config_path)
-        for key, value in args.custom_config.items():
-            setattr(args, key, value)
-
-
-def _load_custom_config(args: Args, path: str) -> dict:
-    import yaml
-
-    _require(Path(path).is_file(), f"--custom-config-path: file {path} does not exist")
-    try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SlimeConfigError(f"--custom-config-path {path}: not valid YAML ({e})") from None
-    _require(isinstance(config, dict), f"--custom-config-path {path}: must hold a mapping of names to values")
-    for key in config:
-        _require(isinstance(key, str) and key.isidentifier(),
-                 f"--custom-config-path {path}: key {key!r} is not a valid Python name")
-        _require(not hasattr(args, key),
-                 f"--custom-config-path {path}: key {key!r} is a slime flag or setting; set it on the command line")
-    return config
-
-
-def _validate_debug(args: Args) -> None:
-    if args.load_debug_rollout_data:
-        args.debug_train_only = True
-    _require(not (args.debug_rollout_only and args.debug_train_only),
-             "--debug-rollout-only and --debug-train-only exclude each other")
-    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
-        path = getattr(args, flag)
-        _require(path is None or args.num_rollout == 1 or "{rollout_id}" in path,
-                 f"--{flag.replace('_', '-')} {path!r} needs {{rollout_id}} in it when --num-rollout > 1")
-    if args.debug_rollout_only:
-        _require(args.loss_type != "sft_loss", "--debug-rollout-only has nothing to generate with --loss-type sft_loss")
-        _require(args.save is None and args.load is None,
-                 "--save/--load need train ranks, which --debug-rollout-only does not start")
-        _require(not args.check_weight_update_equal, "--check-weight-update-equal needs train ranks")
-    if args.debug_train_only:
-        _require(args.load_debug_rollout_data is not None, "--debug-train-only needs --load-debug-rollout-data PATH")
-        _require(not args.eval_sets, "--eval-prompt-data needs engines, which --debug-train-only does not start")
-        _require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
-        _require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
-        args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
-
-
-def _validate_algorithm(args: Args) -> None:
-    args.use_critic = args.advantage_estimator == "ppo"
-    args.policy_loss_type = POLICY_LOSS_OF_ESTIMATOR.get(args.advantage_estimator, "ppo")
-    if args.critic_lr is None:
-        args.critic_lr = args.lr
-    if args.over_sampling_batch_size is None:
-        args.over_sampling_batch_size = args.rollout_batch_size
-    _require(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
-    _require(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    _require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    _require(0 <= args.lambd <= 1, f"--lambd must be in [0, 1], got {args.lambd}")
-    _require(args.value_clip > 0, f"--value-clip must be > 0, got {args.value_clip}")
-    _require(args.critic_lr > 0, f"--critic-lr must be > 0, got {args.critic_lr}")
-    _require(
-        args.over_sampling_batch_size >= args.rollout_batch_size,
-        f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
-        f"{args.rollout_batch_size}",
-    )
-    _require(args.dynamic_sampling_max_rounds >= 1, "--dynamic-sampling-max-rounds must be >= 1")
-    _require(
-        0 <= args.overlong_buffer_len < args.rollout_max_response_len,
-        f"--overlong-buffer-len must be in [0, --rollout-max-response-len {args.rollout_max_response_len}), "
-        f"got {args.overlong_buffer_len}",
-    )
-    _require(args.overlong_penalty_factor >= 0, "--overlong-penalty-factor must be >= 0")
-    if args.kl_coef > 0 and args.advantage_estimator in ("grpo", "gspo", "cispo", "rloo"):
-        raise SlimeConfigError(
-            f"--kl-coef (KL in the reward) has no effect with --advantage-estimator {args.advantage_estimator}; "
-            "use --use-kl-loss --kl-loss-coef"
-        )
-    _require(args.advantage_estimator != "rloo" or args.n_samples_per_prompt >= 2,
-             "--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (a leave-one-out baseline)")
-    _validate_loss_type(args)
-    _require(not args.use_unbiased_kl or args.use_kl_loss, "--use-unbiased-kl has no effect without --use-kl-loss")
-    _require(args.tis_clip > 0, f"--tis-clip must be > 0, got {args.tis_clip}")
-    _require(0 <= args.tis_clip_low < args.tis_clip,
-             f"--tis-clip-low must be in [0, --tis-clip {args.tis_clip}), got {args.tis_clip_low}")
-    _require(args.custom_tis_function_path is None or args.use_tis,
-             "--custom-tis-function-path has no effect without --use-tis")
-    from slime.utils.hooks import load_function
-
-    for flag in ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
-                 "custom_reward_post_process_path", "dynamic_sampling_filter_path"):
-        if getattr(args, flag):  # fail at start-up, naming the flag
-            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
-
-
-def _validate_loss_type(args: Args) -> None:
-    """`--loss-type` (original slime's names): custom_loss when only --custom-loss-function-path is given."""
-    if args.loss_type is None:
-        args.loss_type = "custom_loss" if args.custom_loss_function_path else "policy_loss"
-    _require(args.loss_type != "custom_loss" or args.custom_loss_function_path is not None,
-             "--loss-type custom_loss needs --custom-loss-function-path")
-    _require(args.loss_type == "custom_loss" or args.custom_loss_function_path is None,
-             f"--custom-loss-function-path is only used with --loss-type custom_loss, not {args.loss_type}")
-    if args.loss_type != "sft_loss":
-        return
-    # SFT trains on the chat data itself: no engines, samples, rewards or reference model
-    _require(args.n_samples_per_prompt == 1,
-             f"--loss-type sft_loss needs --n-samples-per-prompt 1, got {args.n_samples_per_prompt}")
-    _require(not args.eval_sets, "--eval-prompt-data needs rollout engines, which --loss-type sft_loss does not start")
-    for flag, on in (("--advantage-estimator ppo", args.use_critic), ("--use-kl-loss", args.use_kl_loss),
-                     ("--kl-coef", args.kl_coef > 0), ("--use-tis", args.use_tis),
-                     ("--use-rollout-logprobs", args.use_rollout_logprobs),
-                     ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
-                     ("--custom-reward-post-process-path", args.custom_reward_post_process_path)):
-        _require(not on, f"{flag} has no effect with --loss-type sft_loss")
-    args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

@@ -1,0 +1,262 @@
+"""The checks of one group of slime flags each, run in order by `slime.arguments.validate`.
+
+Each `validate_*` raises a `SlimeConfigError` whose message names the flag, and computes the
+derived values of its group (weight-update mode, reward type, custom config, groups in flight,
+loss type, ...). The parser, the cluster, file and batch-size checks and the order the groups
+run in live in `slime.arguments`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slime.utils.errors import SlimeConfigError
+
+if TYPE_CHECKING:
+    from slime.arguments import Args
+
+# the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
+POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise SlimeConfigError(message)
+
+
+def validate_engines(args: Args) -> None:
+    """Engine flags: --sglang-server-concurrency, the router address, health checks, --colocate's device
+    count, the weight-update mode each --rollout-backend takes, and the external backend's own flags."""
+    require(args.sglang_server_concurrency >= 1,
+            f"--sglang-server-concurrency must be >= 1, got {args.sglang_server_concurrency}")
+    require((args.sglang_router_ip is None) == (args.sglang_router_port is None),
+            "--sglang-router-ip and --sglang-router-port go together")
+    require(args.rollout_health_check_interval > 0 and args.rollout_health_check_timeout > 0,
+            "--rollout-health-check-interval and --rollout-health-check-timeout must be > 0")
+    if args.colocate:
+        require(
+            args.rollout_num_gpus == args.dp_size,
+            f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
+            f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
+        )
+    from slime.training.weight_push import resolve_mode
+
+    args.update_weights_mode = resolve_mode(args.update_weights_mode, args.colocate, args.rollout_backend)
+    require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
+            "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
+            "directories from disk); use tensor or distributed")
+    # what each external backend's weight endpoints take: SGLang's /update_weights_from_tensor wants
+    # CUDA-IPC handles (not implemented here), vLLM's adapter has no process-group endpoint
+    require(args.rollout_backend != "sglang" or args.update_weights_mode == "distributed",
+            "--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its own "
+            "GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
+    require(args.rollout_backend != "vllm" or args.update_weights_mode == "tensor",
+            "--rollout-backend vllm takes weights as tensors (--update-weights-mode tensor); its adapter has no "
+            "process-group endpoint")
+    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
+        from slime.engines.vllm import check_vllm_args
+
+        check_vllm_args(args)
+    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
+        from slime.engines.sglang import check_sglang_args
+
+        check_sglang_args(args)
+
+
+def validate_custom_rollout(args: Args) -> None:
+    """Reward choice, extension paths (imported now, so a typo fails at start-up naming the flag) and
+    --custom-config-path (its keys become attributes of args)."""
+    if args.rm_type is None:
+        args.rm_type = "remote_rm" if args.rm_url else "math"
+    require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url URL")
+    require(args.rm_url is None or args.rm_type == "remote_rm",
+            f"--rm-url is only used with --rm-type remote_rm, not {args.rm_type}")
+    require(args.rm_url is None or args.rm_url.startswith(("http://", "https://")),
+            f"--rm-url must be an http(s) URL, got {args.rm_url!r}")
+    require(args.rm_timeout > 0, f"--rm-timeout must be > 0, got {args.rm_timeout}")
+    require(args.rm_max_retries >= 0, f"--rm-max-retries must be >= 0, got {args.rm_max_retries}")
+    require(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
+    require(not args.group_rm or args.custom_rm_path, "--group-rm needs --custom-rm-path (a group reward function)")
+    from slime.utils.hooks import load_function
+
+    for flag in ("rollout_function_path", "custom_generate_function_path", "custom_rm_path", "data_source_path",
+                 "buffer_filter_path", "rollout_sample_filter_path", "eval_function_path"):
+        if getattr(args, flag):
+            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
+    args.custom_config = {}
+    if args.custom_config_path:
+        args.custom_config = _load_custom_config(args, args.custom_config_path)
+        for key, value in args.custom_config.items():
+            setattr(args, key, value)
+
+
+def _load_custom_config(args: Args, path: str) -> dict:
+    import yaml
+
+    require(Path(path).is_file(), f"--custom-config-path: file {path} does not exist")
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SlimeConfigError(f"--custom-config-path {path}: not valid YAML ({e})") from None
+    require(isinstance(config, dict), f"--custom-config-path {path}: must hold a mapping of names to values")
+    for key in config:
+        require(isinstance(key, str) and key.isidentifier(),
+                f"--custom-config-path {path}: key {key!r} is not a valid Python name")
+        require(not hasattr(args, key),
+                f"--custom-config-path {path}: key {key!r} is a slime flag or setting; set it on the command line")
+    return config
+
+
+def validate_async(args: Args) -> None:
+    require(args.update_weights_interval >= 1, f"--update-weights-interval must be >= 1, got {args.update_weights_interval}")
+    require(args.max_staleness is None or args.max_staleness >= 0, f"--max-staleness must be >= 0, got {args.max_staleness}")
+    require(not args.mask_offpolicy_in_partial_rollout or args.partial_rollout,
+            "--mask-offpolicy-in-partial-rollout needs --partial-rollout")
+    require(not args.partial_rollout or args.over_sampling_batch_size > args.rollout_batch_size
+            or args.dynamic_sampling_filter_path,
+            "--partial-rollout needs --over-sampling-batch-size > --rollout-batch-size (or a dynamic sampling "
+            "filter): otherwise every launched group is used and nothing is ever aborted")
+    require(not (args.partial_rollout and args.rollout_function_path),
+            "--partial-rollout is part of the built-in rollout; a --rollout-function-path replaces it")
+    if args.async_groups_in_flight is None:
+        args.async_groups_in_flight = args.over_sampling_batch_size
+    require(args.async_groups_in_flight >= 1, "--async-groups-in-flight must be >= 1")
+    require(not (args.fully_async and args.partial_rollout),
+            "--fully-async keeps generating across rollouts; --partial-rollout (abort and resume) does not apply")
+    require(not (args.fully_async and args.rollout_function_path),
+            "--fully-async is part of the built-in rollout; a --rollout-function-path replaces it")
+
+
+def validate_batching(args: Args) -> None:
+    """--use-dynamic-batch-size / --max-tokens-per-gpu (slime.training.actor). A sample longer than
+    the token budget is not an error: it trains alone in its micro-batch. --balance-data needs no
+    check (with one rank it changes nothing)."""
+    if args.use_dynamic_batch_size:
+        require(args.max_tokens_per_gpu is not None,
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of one micro-batch)")
+    else:
+        require(args.max_tokens_per_gpu is None,
+                "--max-tokens-per-gpu is only used with --use-dynamic-batch-size (add that flag or drop this one)")
+    require(args.max_tokens_per_gpu is None or args.max_tokens_per_gpu >= 1,
+            f"--max-tokens-per-gpu must be >= 1, got {args.max_tokens_per_gpu}")
+
+
+def validate_algorithm(args: Args) -> None:
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.policy_loss_type = POLICY_LOSS_OF_ESTIMATOR.get(args.advantage_estimator, "ppo")
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    require(args.eps_clip_c is None or args.eps_clip_c > 1, f"--eps-clip-c must be > 1, got {args.eps_clip_c}")
+    require(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    require(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    require(0 <= args.lambd <= 1, f"--lambd must be in [0, 1], got {args.lambd}")
+    require(args.value_clip > 0, f"--value-clip must be > 0, got {args.value_clip}")
+    require(args.critic_lr > 0, f"--critic-lr must be > 0, got {args.critic_lr}")
+    require(
+        args.over_sampling_batch_size >= args.rollout_batch_size,
+        f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
+        f"{args.rollout_batch_size}",
+    )
+    require(args.dynamic_sampling_max_rounds >= 1, "--dynamic-sampling-max-rounds must be >= 1")
+    require(
+        0 <= args.overlong_buffer_len < args.rollout_max_response_len,
+        f"--overlong-buffer-len must be in [0, --rollout-max-response-len {args.rollout_max_response_len}), "
+        f"got {args.overlong_buffer_len}",
+    )
+    require(args.overlong_penalty_factor >= 0, "--overlong-penalty-factor must be >= 0")
+    if args.kl_coef > 0 and args.advantage_estimator in ("grpo", "gspo", "cispo", "rloo"):
+        raise SlimeConfigError(
+            f"--kl-coef (KL in the reward) has no effect with --advantage-estimator {args.advantage_estimator}; "
+            "use --use-kl-loss --kl-loss-coef"
+        )
+    require(args.advantage_estimator != "rloo" or args.n_samples_per_prompt >= 2,
+            "--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (a leave-one-out baseline)")
+    _validate_loss_type(args)
+    require(not args.use_unbiased_kl or args.use_kl_loss, "--use-unbiased-kl has no effect without --use-kl-loss")
+    require(args.tis_clip > 0, f"--tis-clip must be > 0, got {args.tis_clip}")
+    require(0 <= args.tis_clip_low < args.tis_clip,
+            f"--tis-clip-low must be in [0, --tis-clip {args.tis_clip}), got {args.tis_clip_low}")
+    require(args.custom_tis_function_path is None or args.use_tis,
+            "--custom-tis-function-path has no effect without --use-tis")
+    from slime.utils.hooks import load_function
+
+    for flag in ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
+                 "custom_reward_post_process_path", "dynamic_sampling_filter_path"):
+        if getattr(args, flag):  # fail at start-up, naming the flag
+            load_function(getattr(args, flag), "--" + flag.replace("_", "-"))
+
+
+def _validate_loss_type(args: Args) -> None:
+    """`--loss-type` (original slime's names): custom_loss when only --custom-loss-function-path is given."""
+    if args.loss_type is None:
+        args.loss_type = "custom_loss" if args.custom_loss_function_path else "policy_loss"
+    require(args.loss_type != "custom_loss" or args.custom_loss_function_path is not None,
+            "--loss-type custom_loss needs --custom-loss-function-path")
+    require(args.loss_type == "custom_loss" or args.custom_loss_function_path is None,
+            f"--custom-loss-function-path is only used with --loss-type custom_loss, not {args.loss_type}")
+    if args.loss_type != "sft_loss":
+        return
+    # SFT trains on the chat data itself: no engines, samples, rewards or reference model
+    require(args.n_samples_per_prompt == 1,
+            f"--loss-type sft_loss needs --n-samples-per-prompt 1, got {args.n_samples_per_prompt}")
+    require(not args.eval_sets, "--eval-prompt-data needs rollout engines, which --loss-type sft_loss does not start")
+    for flag, on in (("--advantage-estimator ppo", args.use_critic), ("--use-kl-loss", args.use_kl_loss),
+                     ("--kl-coef", args.kl_coef > 0), ("--use-tis", args.use_tis),
+                     ("--use-rollout-logprobs", args.use_rollout_logprobs),
+                     ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
+                     ("--custom-reward-post-process-path", args.custom_reward_post_process_path)):
+        require(not on, f"{flag} has no effect with --loss-type sft_loss")
+    args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
+
+
+def validate_megatron(args: Args) -> None:
+    """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
+    what the CPU (gloo) build cannot run is refused here with what it needs."""
+    sizes = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
+             "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+             "--context-parallel-size": args.context_parallel_size}
+    for flag, n in sizes.items():
+        require(n >= 1, f"{flag} must be >= 1, got {n}")
+    if args.train_backend != "megatron":
+        used = [f for f, n in sizes.items() if n != 1] + (["--sequence-parallel"] if args.sequence_parallel else [])
+        require(not used, f"{', '.join(used)} need --train-backend megatron")
+        return
+    tp, pp, cp = sizes.values()
+    require(args.dp_size % (tp * pp * cp) == 0,
+            f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
+            f"{args.dp_size} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)")
+    require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
+                     "(it needs megatron's pipeline schedules with a per-stage loss); use tensor and data parallelism")
+    require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
+                     "megatron-core's local attention has no context-parallel path")
+    require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    require(not args.sequence_parallel, "--sequence-parallel is not supported by slime's megatron backend yet "
+                                        "(megatron refuses it with the local layer spec's torch norms; it needs "
+                                        "the Transformer Engine spec on GPUs)")
+    require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
+                                 "megatron yet; use --train-backend fsdp")
+
+
+def validate_debug(args: Args) -> None:
+    if args.load_debug_rollout_data:
+        args.debug_train_only = True
+    require(not (args.debug_rollout_only and args.debug_train_only),
+            "--debug-rollout-only and --debug-train-only exclude each other")
+    for flag in ("save_debug_rollout_data", "load_debug_rollout_data"):
+        path = getattr(args, flag)
+        require(path is None or args.num_rollout == 1 or "{rollout_id}" in path,
+                f"--{flag.replace('_', '-')} {path!r} needs {{rollout_id}} in it when --num-rollout > 1")
+    if args.debug_rollout_only:
+        require(args.loss_type != "sft_loss", "--debug-rollout-only has nothing to generate with --loss-type sft_loss")
+        require(args.save is None and args.load is None,
+                "--save/--load need train ranks, which --debug-rollout-only does not start")
+        require(not args.check_weight_update_equal, "--check-weight-update-equal needs train ranks")
+    if args.debug_train_only:
+        require(args.load_debug_rollout_data is not None, "--debug-train-only needs --load-debug-rollout-data PATH")
+        require(not args.eval_sets, "--eval-prompt-data needs engines, which --debug-train-only does not start")
+        require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
+        require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
+        args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
