@@ -3,29 +3,17 @@ and data reach the same parameters; a colocated run's memory really changes hand
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _e2e import ROOT, records, run
+
 sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.e2e
-
-
-def run(cmd, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def records(out_dir):
-    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +58,7 @@ def test_colocated_and_disaggregated_reach_the_same_parameters(task, tmp_path):
     results = {}
     for name, extra in runs.items():
         out, save = tmp_path / name, tmp_path / f"{name}_ckpt"
-        proc = run(cmd(task, out, save, *extra))
+        proc = run(cmd(task, out, save, *extra), OMP_NUM_THREADS="1")
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         results[name] = (records(out), final_params(save), proc.stdout)
 
@@ -111,7 +99,7 @@ def test_colocated_memory_changes_hands(task, tmp_path):
     weights_mb = sum(t.numel() * t.element_size() for t in final_params_from_hf(model).values()) / 2**20
     assert weights_mb > 40
     out, save = tmp_path / "out", tmp_path / "ckpt"
-    proc = run(cmd(task, out, save, "--colocate", model=str(model)))
+    proc = run(cmd(task, out, save, "--colocate", model=str(model)), OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = records(out)
     assert len(recs) == 2

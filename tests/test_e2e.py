@@ -1,15 +1,14 @@
 """End-to-end runs of train.py and the quickstart on the tiny model (Ray + engine + trainer)."""
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _e2e import ROOT, records, run
+
 sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.e2e
@@ -19,16 +18,6 @@ TRAIN_KEYS = [
     "train/entropy_loss", "train/pg_clipfrac", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
     "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
 ]
-
-
-def run(cmd, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def records(out_dir):
-    return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ steps per rollout, lr 3e-3) for 8 rollouts, about 70-90 s each on 2 CPU cores.
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from test_e2e import run  # noqa: E402
+from _e2e import records, run  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -59,7 +58,7 @@ def test_reward_rises(tiny, tmp_path, case):
     ]
     proc = run(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    train = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train = records(out)
     train = [r for r in train if "rollout/raw_reward" in r]
     assert len(train) == NUM_ROLLOUT
     # with a filter the trained groups are biased; judge the policy on everything it generated
@@ -107,7 +106,7 @@ def test_sft_then_grpo_from_the_sft_checkpoint(tiny, tmp_path):
                 "--rollout-shuffle", "--save", str(ckpt), "--output-dir", str(sft_out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 engine(s)" in proc.stdout
-    sft = [json.loads(line) for line in open(sft_out / "metrics.jsonl")]
+    sft = records(sft_out)
     losses = [r["train/sft_loss"] for r in sft]
     print(f"sft loss: {[round(x, 3) for x in losses]}")
     assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], losses
@@ -119,7 +118,7 @@ def test_sft_then_grpo_from_the_sft_checkpoint(tiny, tmp_path):
                 "label", "--apply-chat-template", "--rollout-shuffle", "--seed", "1", "--output-dir", str(rl_out),
                 *rl_flags], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    train = [json.loads(line) for line in open(rl_out / "metrics.jsonl")]
+    train = records(rl_out)
     rewards = [r["rollout/raw_reward"] for r in train if "rollout/raw_reward" in r]
     print(f"grpo after sft: rewards={[round(x, 3) for x in rewards]}")
     assert len(rewards) == 3 and rewards[0] >= 0.25, rewards

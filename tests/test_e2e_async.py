@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from test_e2e import records, run, task  # noqa: F401  (task is a fixture)
+from _e2e import records, run
+from test_e2e import task  # noqa: F401  (task is a fixture)
 
 pytestmark = pytest.mark.e2e
 

@@ -2,13 +2,13 @@
 pass@k, a remote reward service, and reasoning-gym tasks as the data source."""
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from test_e2e import records, run, shape_cmd, task  # noqa: F401  (task is a fixture)
+from _e2e import records, run
+from test_e2e import shape_cmd, task  # noqa: F401  (task is a fixture)
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from test_e2e import records, run, shape_cmd, task  # noqa: F401  (task is a fixture)
+from _e2e import records, run
+from test_e2e import shape_cmd, task  # noqa: F401  (task is a fixture)
 
 pytestmark = pytest.mark.e2e
 

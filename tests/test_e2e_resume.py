@@ -3,13 +3,12 @@
 import json
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from test_e2e import ROOT, records, run, shape_cmd, task  # noqa: F401  (task is a fixture)
+from _e2e import ROOT, records, run
+from test_e2e import shape_cmd, task  # noqa: F401  (task is a fixture)
 
 pytestmark = pytest.mark.e2e
 

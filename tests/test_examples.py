@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from test_e2e import records, run  # noqa: E402
+from _e2e import records, run  # noqa: E402
 
 from slime.types import Sample  # noqa: E402
 

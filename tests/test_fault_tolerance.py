@@ -6,7 +6,6 @@ not serve a request before it has them."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,10 +16,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _e2e import ROOT, driver_env, records
 
 from slime.engines.client import EngineError, get_json
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.e2e
@@ -91,8 +90,7 @@ def run_with_fault(task, out_dir: Path, sig: int, driver: str = "train.py") -> d
     """Run train.py; once the engines serve trained weights (version >= 1) and engine 1 has
     requests running, send `sig` to engine 1. Watch the restarted engine until it serves the same
     weights as engine 0. Returns what was observed."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
+    env = driver_env(PYTHONUNBUFFERED="1")
     log = open(out_dir.parent / f"{out_dir.name}.out", "w+")
     proc = subprocess.Popen(train_cmd(task, out_dir, driver), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
@@ -139,8 +137,7 @@ def run_with_fault(task, out_dir: Path, sig: int, driver: str = "train.py") -> d
                 pass
     seen["returncode"] = proc.returncode
     seen["output"] = Path(log.name).read_text()
-    seen["records"] = [json.loads(line) for line in open(out_dir / "metrics.jsonl")] \
-        if (out_dir / "metrics.jsonl").exists() else []
+    seen["records"] = records(out_dir) if (out_dir / "metrics.jsonl").exists() else []
     return seen
 
 

@@ -299,7 +299,8 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
 @pytest.mark.e2e
 def test_train_py_grpo_with_megatron(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
-    from test_e2e import records, run, shape_cmd
+    from _e2e import records, run
+    from test_e2e import shape_cmd
     from tiny_task import make_tiny_task
 
     from slime.utils.tiny_model import build_tiny_model

@@ -510,6 +510,7 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
 @pytest.mark.e2e
 def test_grpo_run_on_vllm(vllm_installed, e2e_model, tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
+    from _e2e import records, run
     from tiny_task import make_tiny_task
 
     train, _ = make_tiny_task(tmp_path / "data", seed=0)
@@ -521,12 +522,10 @@ def test_grpo_run_on_vllm(vllm_installed, e2e_model, tmp_path):
            "--apply-chat-template", "--hf-checkpoint", e2e_model, "--rollout-max-response-len", "4",
            "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out), "--seed", "1",
            "--rollout-backend", "vllm", "--vllm-enforce-eager", "--vllm-max-model-len", "256"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run(cmd, timeout=900)
     engine_log = (out / "logs" / "engine_0.log").read_text(errors="replace") if (out / "logs").exists() else ""
     assert proc.returncode == 0, proc.stderr[-3000:] + engine_log[-3000:]
-    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    recs = records(out)
     train_recs = [r for r in recs if "rollout/raw_reward" in r]
     assert [r["rollout_id"] for r in train_recs] == [0, 1, 2]
     for r in train_recs:
