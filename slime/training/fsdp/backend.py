@@ -1,7 +1,10 @@
 """FSDP2 training backend over Hugging Face causal LMs.
 
 `torch.distributed.fsdp.fully_shard` is applied to every decoder layer and to the
-root model (which owns the embeddings, final norm and - tied or not - the LM head).
+root model (which owns the embeddings, final norm and - tied or not - the LM head)
+when there are two or more data-parallel ranks; a single rank trains the plain module
+(nothing to shard, and FSDP2's per-micro-batch gathers, reduce-scatters and hooks would
+only cost time).
 Parameters stay fp32 (master weights); gloo on CPU, NCCL (+ gloo for CPU tensors)
 on CUDA. The model is kept in eval mode throughout (no dropout), so a no-grad pass
 and a training pass over the same weights give identical log-probs.
@@ -105,12 +108,19 @@ class FSDPBackend(StepTail):
                 args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
             )
         model.eval()
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
         if self.device.type == "cuda":
             model.to(self.device)
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+        # One rank has nothing to shard: FSDP2 there would only add, to every micro-batch, an
+        # all-gather and a reduce-scatter that copy every parameter and gradient, its per-module
+        # hooks and DTensor dispatch in the optimizer (a third of a tiny model's step on CPU), for
+        # the same numbers. So a single rank trains the plain module (the same math, bit for bit);
+        # checkpoints stay DCP (by parameter name), so they resume on any number of ranks.
+        self.sharded = world_size > 1
+        if self.sharded:
+            mesh = init_device_mesh(self.device.type, (world_size,))
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -119,7 +129,8 @@ class FSDPBackend(StepTail):
             logger.warning("%s ignores packed position_ids here; training on padded rows instead",
                            type(model).__name__)
             self.pack = False
-        model.reshard()  # FSDP2 leaves the root's parameters unsharded after a forward; the optimizer needs the shards
+        if self.sharded:  # FSDP2 leaves the root's parameters unsharded after a forward; the optimizer needs the shards
+            model.reshard()
 
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
