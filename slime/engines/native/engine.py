@@ -12,12 +12,13 @@ Scheduler (one dedicated worker thread, `NativeEngine._loop`)::
           samples of one prompt, are prefilled once and their cache rows repeated),
           sample their first token, merge their KV rows into the running batch
         one batched decode step for all running rows
-        retire finished rows (index-select them out, trim common left padding)
+        retire finished rows (the last rows move into their slots)
 
-The running batch is one left-padded KV cache (`transformers.DynamicCache`, one
-`[B, H, S, D]` key/value tensor per layer) with a 2-D attention mask and explicit
-position ids (`cumsum(mask) - 1`), so a padded row gives the same logits as an
-unpadded forward. Each step holds `_step_lock`; weight updates take the same lock
+The running batch is one left-padded KV cache preallocated within the
+--max-total-tokens budget and written in place (`kv_cache.BatchKV`; the Hugging Face
+forward sees it as a `DynamicCache`), with a 2-D attention mask and explicit position
+ids (the count of real tokens before each one), so a padded row gives the same logits
+as an unpadded forward. Each step holds `_step_lock`; weight updates take the same lock
 between steps (and get priority over the next step).
 """
 
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from slime.engines.native.batch_cache import cache_layers, left_pad, left_pad_mask
+from slime.engines.native.kv_cache import BatchKV
 from slime.engines.native.sampling import sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (
@@ -128,6 +129,7 @@ class NativeEngine(EngineWeights):
         self.model.to(self.device).eval()
         cfg = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.num_layers = int(cfg.get_text_config(decoder=True).num_hidden_layers)
         self.max_context_length = int(context_length or getattr(cfg, "max_position_embeddings", None) or 4096)
         self.eos_token_ids = self._collect_eos_ids()
         pad = self.tokenizer.pad_token_id
@@ -159,8 +161,7 @@ class NativeEngine(EngineWeights):
         self._stopping = False
         self._step_lock = threading.Lock()
         # batch tensors (owned by the worker thread, under _step_lock)
-        self._cache = None
-        self._mask: torch.Tensor | None = None  # [B, S] long
+        self._kv: BatchKV | None = None  # the running batch's KV cache
         self._last_tokens: torch.Tensor | None = None  # [B] long, sampled but not yet in cache
         self._stats = collections.Counter()
         self._max_batch = 0
@@ -387,7 +388,7 @@ class NativeEngine(EngineWeights):
             rows = list(self._running) + list(self._admitting)
             self._running = []
             self._admitting = []
-        self._cache = self._mask = self._last_tokens = None
+        self._kv = self._last_tokens = None
         self._kv_tokens = 0
         for r in rows:
             if not r.done:
@@ -441,7 +442,7 @@ class NativeEngine(EngineWeights):
         ]
 
     def _note_kv(self) -> None:
-        n = 0 if self._mask is None else int(self._mask.shape[0] * self._mask.shape[1])
+        n = 0 if self._kv is None else self._kv.allocated_tokens
         self._kv_tokens = n
         if n > self._peak_kv_tokens:
             self._peak_kv_tokens = n
@@ -465,43 +466,30 @@ class NativeEngine(EngineWeights):
             ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, L - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        kv = BatchKV(n, L, self.device)
+        kv.prefill_mask(mask)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
-            position_ids=pos,
-            past_key_values=cache,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=kv.hf_cache(self.num_layers),
             use_cache=True,
             logits_to_keep=1,
         )
+        kv.advance(L)
         logits = out.logits[:, -1, :].float()
-        cache = out.past_key_values
-        layers = cache_layers(cache)
-        if len(prompts) != len(reqs):
-            index = torch.tensor(row_of, dtype=torch.long, device=self.device)
-            for layer in layers:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
-            mask = mask.index_select(0, index)
-            logits = logits.index_select(0, index)
+        if n != len(reqs):
+            logits = logits.index_select(0, torch.tensor(row_of, dtype=torch.long, device=self.device))
         with self._cv:
             self._stats["prefill_tokens"] += sum(len(p) for p in prompts)
             self._stats["prefill_batches"] += 1
             self._stats["shared_prefix_rows"] += len(reqs) - len(prompts)
         tokens = self._sample(logits, reqs)
         # merge into the running batch
-        if self._cache is None:
-            self._cache, self._mask, self._last_tokens = cache, mask, tokens
+        if self._kv is None:
+            self._kv, self._last_tokens = kv.take(row_of), tokens
         else:
-            S, P = self._mask.shape[1], mask.shape[1]
-            T = max(S, P)
-            for old, new in zip(cache_layers(self._cache), layers):
-                old.keys = torch.cat([left_pad(old.keys, T), left_pad(new.keys, T)], 0)
-                old.values = torch.cat([left_pad(old.values, T), left_pad(new.values, T)], 0)
-            self._mask = torch.cat([left_pad_mask(self._mask, T), left_pad_mask(mask, T)], 0)
+            self._kv.add_rows(kv, row_of, self.max_total_tokens)
             self._last_tokens = torch.cat([self._last_tokens, tokens], 0)
         with self._cv:
             self._running.extend(reqs)
@@ -511,18 +499,18 @@ class NativeEngine(EngineWeights):
         self._append_tokens(reqs, tokens)
 
     def _decode(self) -> None:
-        B = len(self._running)
-        ones = torch.ones((B, 1), dtype=torch.long, device=self.device)
-        pos = self._mask.sum(-1, keepdim=True)
-        mask = torch.cat([self._mask, ones], 1)
+        kv = self._kv
+        kv.reserve_column(self.max_total_tokens)
+        pos = kv.positions()
+        kv.append_column()
         out = self.model(
-            input_ids=self._last_tokens.view(B, 1),
-            attention_mask=mask,
+            input_ids=self._last_tokens.view(-1, 1),
+            attention_mask=kv.attention_mask(1),
             position_ids=pos,
-            past_key_values=self._cache,
+            past_key_values=kv.hf_cache(self.num_layers),
             use_cache=True,
         )
-        self._mask = mask
+        kv.advance(1)
         self._note_kv()
         logits = out.logits[:, -1, :].float()
         tokens = self._sample(logits, self._running)
@@ -538,21 +526,15 @@ class NativeEngine(EngineWeights):
         if len(keep) == len(rows):
             return
         finished = [r for r in rows if r.finish is not None]
-        with self._cv:
-            self._running = [rows[i] for i in keep]
         if not keep:
-            self._cache = self._mask = self._last_tokens = None
-            self._kv_tokens = 0
+            self._kv = self._last_tokens = None
+            with self._cv:
+                self._running = []
         else:
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            mask = self._mask.index_select(0, index)
-            start = int(mask.any(0).nonzero()[0].item())  # trim common left padding
-            mask = mask[:, start:]
-            for layer in cache_layers(self._cache):
-                layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-                layer.values = layer.values.index_select(0, index)[:, :, start:]
-            self._mask = mask
-            self._last_tokens = self._last_tokens.index_select(0, index)
+            order = self._kv.remove_rows(keep)
+            self._last_tokens = self._last_tokens.index_select(0, torch.tensor(order, device=self.device))
+            with self._cv:
+                self._running = [rows[i] for i in order]
         self._note_kv()
         for r in finished:
             self._finish(r, r.finish)

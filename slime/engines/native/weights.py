@@ -150,7 +150,7 @@ class EngineWeights:
                     self._cv.notify_all()
                 raise ProtocolError("tags", f"{busy} requests are running; abort them or let them finish before "
                                             "releasing memory")
-            self._cache = self._mask = self._last_tokens = None
+            self._kv = self._last_tokens = None
             self._kv_tokens = 0
             if "weights" in tags and self._weights_stash is None:
                 self._weights_stash = self._stash_weights()
