@@ -32,7 +32,7 @@ def tokenizer(tiny_model_dir):
 # other two on max_tokens). Other seeds may sample `<unk>` or `<|endoftext|>`, which the server leaves out
 # of the message text, so the next chat rendering differs from what the model saw: a new Sample
 # (test_dropped_special_token_splits_the_episode).
-PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "sampling_seed": 9}
+PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "sampling_seed": 0}
 
 
 async def three_turn_agent(client, model, sample):
@@ -117,13 +117,13 @@ def test_episode_becomes_one_sample_masking_exactly_the_model_tokens(server, tok
 
 
 def test_dropped_special_token_splits_the_episode(server, tokenizer):
-    """Seed 1: the tiny model samples special tokens the server drops from the answer text; the agent's
+    """Seed 28: the tiny model samples special tokens the server drops from the answer text; the agent's
     next prompt then does not extend what the model saw, and the recorder starts a new Sample there."""
     url, _ = server
     sample = Sample(prompt=[{"role": "user", "content": "what is 3 plus 4 ?"}])
 
     async def main():
-        async with TrajectoryRecorder(url + "/v1", dict(PARAMS, sampling_seed=1), max_response_len=200) as rec:
+        async with TrajectoryRecorder(url + "/v1", dict(PARAMS, sampling_seed=28), max_response_len=200) as rec:
             await three_turn_agent(rec.client, rec.model, sample)
         return rec
 
