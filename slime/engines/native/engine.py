@@ -64,6 +64,8 @@ class GenerationResult:
 
 
 Callback = Callable[[GenerationResult | None, BaseException | None], None]
+# on_token(token_ids, logprobs): tokens that did not end their request, as they are sampled
+TokenHook = Callable[[list[int], list[float]], None]
 
 
 @dataclass
@@ -73,6 +75,7 @@ class _Req:
     params: SamplingParams
     callback: Callback
     generator: torch.Generator | None = None
+    on_token: TokenHook | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
@@ -195,16 +198,22 @@ class NativeEngine(EngineWeights):
                 self._finish(r, finish_abort("engine shut down"))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, inp: GenerateInput, callback: Callback) -> None:
+    def submit(self, inp: GenerateInput, callback: Callback, on_token: TokenHook | None = None) -> None:
         """Queue one validated request (`inp.input_ids` must be set). `callback(result, error)`
-        is called exactly once, from the worker thread or the calling thread."""
+        is called exactly once, from the worker thread or the calling thread.
+
+        `on_token(token_ids, logprobs)`, when given, is called from the worker thread with each
+        token as it is sampled, except the one that ends the request (that one arrives only in
+        the result): so a streamer never shows a stop token or the token completing a stop
+        string. It must be quick and must not block (e.g. `loop.call_soon_threadsafe`)."""
         assert inp.input_ids is not None, "tokenize text before submit"
         sp = inp.sampling_params
         gen = None
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed % (2**64))
-        req = _Req(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen)
+        req = _Req(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
+                   on_token=on_token)
         if sp.max_new_tokens == 0:
             self._finish(req, finish_length(0))
             return
@@ -576,6 +585,11 @@ class NativeEngine(EngineWeights):
                 if best is not None:
                     r.stop_text_pos = best[0]
                     r.finish = finish_stop(best[1])
+            if r.finish is None and r.on_token is not None:
+                try:
+                    r.on_token([t], r.logprobs[len(r.output_ids) - 1 : len(r.output_ids)])
+                except Exception:  # noqa: BLE001 - a streamer's bug must not fail the batch
+                    logger.exception("on_token hook failed")
         with self._cv:
             self._stats["generated_tokens"] += n
 
