@@ -327,7 +327,7 @@ BAD_REQUESTS = [
     ({"input_ids": [5], "sampling_params": "greedy"}, "sampling_params"),
     ({"input_ids": [5], "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": [5], "rid": 5}, "rid"),
-    ({"input_ids": [5], "stream": True}, "stream"),
+    ({"input_ids": [5], "stream": "yes"}, "stream"),
     ({"input_ids": [5], "bogus": 1}, "bogus"),
     ([1, 2, 3], "body"),
 ]

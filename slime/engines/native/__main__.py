@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="defaults to the config's max_position_embeddings")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS if set, else the usable CPU count)")
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="streamed /generate events carry only the text, output_ids and log-probs new since the "
+                        "previous event (SGLang's flag); default: cumulative")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -57,7 +60,7 @@ async def _serve(args) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         max_total_tokens=args.max_total_tokens,
     )
-    app = create_app(engine)
+    app = create_app(engine, incremental_streaming_output=args.incremental_streaming_output)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -1,7 +1,8 @@
 """aiohttp server exposing a `NativeEngine` over SGLang's native HTTP protocol.
 
 The event loop only parses, validates and waits: compute runs in the engine's worker
-thread, so `/health` answers while a batch is generating.
+thread, so `/health` answers while a batch is generating. `"stream": true` answers with
+Server-Sent Events (`streaming.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from slime.engines.native.engine import GenerationResult, NativeEngine
 from slime.engines.native.openai_api import add_openai_routes
+from slime.engines.native.streaming import pop_stream_flag, stream_generate
 from slime.engines.protocol import (
     ProtocolError,
     build_generate_response,
@@ -34,6 +36,7 @@ from slime.engines.protocol import (
 logger = logging.getLogger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", NativeEngine)
+INCREMENTAL_STREAM_KEY = web.AppKey("incremental_streaming_output", bool)
 
 
 @web.middleware
@@ -101,7 +104,9 @@ def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    inputs, is_batch = parse_generate_request(await _json_body(request))
+    body = await _json_body(request)
+    stream = pop_stream_flag(body)
+    inputs, is_batch = parse_generate_request(body)
     for k, inp in enumerate(inputs):
         name = "input_ids" if inp.text is None else "text"
         if is_batch:
@@ -111,6 +116,8 @@ async def generate(request: web.Request) -> web.Response:
         check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
+    if stream:
+        return await stream_generate(request, engine, inputs, is_batch, request.app[INCREMENTAL_STREAM_KEY])
     futs = [_submit(engine, inp) for inp in inputs]
     try:
         results = await asyncio.gather(*futs)
@@ -313,10 +320,15 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
 
 
-def create_app(engine: NativeEngine, shutdown_engine: bool = True) -> web.Application:
-    """An aiohttp application serving `engine` (started here if it is not running)."""
+def create_app(engine: NativeEngine, shutdown_engine: bool = True,
+               incremental_streaming_output: bool = False) -> web.Application:
+    """An aiohttp application serving `engine` (started here if it is not running).
+
+    `incremental_streaming_output`: streamed `/generate` events carry only the text, token
+    ids and log-probs new since the previous event (SGLang's flag); default cumulative."""
     app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
     app[ENGINE_KEY] = engine
+    app[INCREMENTAL_STREAM_KEY] = incremental_streaming_output
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
