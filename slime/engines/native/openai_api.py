@@ -1,4 +1,4 @@
-"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models` (non-streaming).
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models`.
 
 Requests map onto the engine's sampling parameters (`max_tokens`, `temperature`, `top_p`,
 `n`, `stop`, `seed`, plus vLLM/SGLang extensions `top_k`, `stop_token_ids`, `ignore_eos`,
@@ -13,6 +13,9 @@ and per-token log-probs in the OpenAI format when asked for (`logprobs: N` for c
 `logprobs: true` for chat): the log-prob of each sampled token under
 `log_softmax(logits / T)`, the same definition as `/generate`. Top alternatives are not
 computed (`top_logprobs` must be 0).
+
+`stream: true` (and `stream_options: {"include_usage": true}`) answers with OpenAI's
+chunks over Server-Sent Events, the same fields per chunk (`openai_stream.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from slime.engines.native.openai_stream import _finish_reason, parse_stream_options, stream_chat, stream_completions
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -44,7 +48,7 @@ _CHAT_KEYS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_
                         "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                         "parallel_tool_calls"}
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1, "min_tokens": 0,
-            "echo": False, "suffix": None, "repetition_penalty": 1.0, "stream": False, "stream_options": None,
+            "echo": False, "suffix": None, "repetition_penalty": 1.0,
             "tools": None, "tool_choice": None, "parallel_tool_calls": None}
 MAX_N = 128
 
@@ -58,8 +62,6 @@ def _check_keys(body: Any, allowed: set[str]) -> dict:
         if key in _NEUTRAL and value is not None and value != _NEUTRAL[key] and not (
             key in ("tools", "tool_choice") and value in ([], "none")
         ):
-            if key == "stream":
-                raise ProtocolError("stream", "streaming is not supported by the native engine; use stream: false")
             raise ProtocolError(key, f"is not supported by this engine (only {_NEUTRAL[key]!r} is accepted)")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
@@ -162,17 +164,9 @@ def _messages_to_ids(body: dict, tokenizer) -> list[int]:
     return list(ids)
 
 
-def _finish_reason(fr: dict) -> str:
-    t = fr.get("type")
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(t, t)
-
-
-async def _run(request: web.Request, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n: int,
-               max_tokens_key: str):
-    """Validate and run n samples of every prompt; results grouped [prompt][sample]."""
-    from slime.engines.native.server import ENGINE_KEY, _submit
-
-    engine = request.app[ENGINE_KEY]
+def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n: int,
+            max_tokens_key: str) -> list[GenerateInput]:
+    """Validate; the n samples of every prompt as engine inputs (prompt-major)."""
     inputs = []
     for name, ids in prompts:
         check_prompt(ids, engine.vocab_size, engine.max_context_length, name=name)
@@ -186,6 +180,13 @@ async def _run(request: web.Request, prompts: list[tuple[str, list[int]]], sp: S
             if n > 1 and psp.seed is not None:
                 s = SamplingParams(**{**psp.__dict__, "seed": psp.seed + i})
             inputs.append(GenerateInput(rid=uuid.uuid4().hex, sampling_params=s, input_ids=ids, return_logprob=True))
+    return inputs
+
+
+async def _run(engine, inputs: list[GenerateInput], num_prompts: int, n: int):
+    """Run the inputs; results grouped [prompt][sample]."""
+    from slime.engines.native.server import _submit
+
     futs = [_submit(engine, inp) for inp in inputs]
     try:
         results = await asyncio.gather(*futs)
@@ -193,8 +194,7 @@ async def _run(request: web.Request, prompts: list[tuple[str, list[int]]], sp: S
         for inp in inputs:
             engine.abort(inp.rid)
         raise
-    grouped = [results[k * n:(k + 1) * n] for k in range(len(prompts))]
-    return engine, grouped
+    return [results[k * n:(k + 1) * n] for k in range(num_prompts)]
 
 
 def _usage(prompts, grouped) -> dict:
@@ -217,6 +217,7 @@ async def completions(request: web.Request) -> web.Response:
 
     engine = request.app[ENGINE_KEY]
     body = _check_keys(await _json_body(request), _COMPLETION_KEYS)
+    stream, include_usage = parse_stream_options(body)
     if "prompt" not in body:
         raise ProtocolError("prompt", "is required")
     sp, n = _sampling(body, "max_tokens", 16)
@@ -226,7 +227,10 @@ async def completions(request: web.Request) -> web.Response:
                                         f"computed), got {lp!r}")
     model = _model_name(request, body)
     prompts = _prompt_list(body["prompt"], engine.tokenizer)
-    engine, grouped = await _run(request, prompts, sp, n, "max_tokens")
+    inputs = _inputs(engine, prompts, sp, n, "max_tokens")
+    if stream:
+        return await stream_completions(request, engine, inputs, n, model, lp, include_usage)
+    grouped = await _run(engine, inputs, len(prompts), n)
     choices = []
     for (_, ids), group in zip(prompts, grouped):
         for r in group:
@@ -253,6 +257,7 @@ async def chat_completions(request: web.Request) -> web.Response:
 
     engine = request.app[ENGINE_KEY]
     body = _check_keys(await _json_body(request), _CHAT_KEYS)
+    stream, include_usage = parse_stream_options(body)
     sp, n = _sampling(body, "max_completion_tokens", None)
     lp = body.get("logprobs", False)
     if lp is None:
@@ -266,7 +271,10 @@ async def chat_completions(request: web.Request) -> web.Response:
     ids = _messages_to_ids(body, engine.tokenizer)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompts = [("messages", ids)]
-    engine, grouped = await _run(request, prompts, sp, n, key)
+    inputs = _inputs(engine, prompts, sp, n, key)
+    if stream:
+        return await stream_chat(request, engine, inputs, model, lp, include_usage)
+    grouped = await _run(engine, inputs, 1, n)
     choices = []
     for r in grouped[0]:
         c: dict[str, Any] = {
