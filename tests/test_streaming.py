@@ -117,7 +117,6 @@ def test_stop_strings_never_stream(server, tokenizer):
         assert want["meta_info"]["finish_reason"]["type"] == "stop"
         events = stream(server, "/generate", {"text": prompt, "stream": True, "sampling_params": sp})
         assert events[-1]["text"] == want["text"] and events[-1]["output_ids"] == want["output_ids"]
-        assert len(events) > 1
         for ev in events:  # nothing past the final text ever streamed, not even part of the stop string
             assert want["text"].startswith(ev["text"]), (ev["text"], want["text"], extra)
         # the OpenAI stream holds the same text back
