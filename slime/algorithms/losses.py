@@ -3,9 +3,10 @@ masked aggregation. Pure tensor functions; shapes are in the docstrings.
 
 Memory: `compute_log_probs` / `compute_entropy` never materialize a full-vocabulary
 fp32 log-softmax for the whole input. They walk the rows in chunks of `chunk_size`
-positions; when gradients are needed each chunk is recomputed in backward
-(activation checkpointing), so the autograd graph keeps only the input logits (a
-view) plus O(rows) results, never a second [rows, vocab] copy.
+positions, and the autograd graph keeps only the input logits (a view) plus O(rows)
+results, never a second [rows, vocab] copy: token log-probs keep their per-row
+log-normalizer and compute the softmax again in backward (`_TokenLogProbs`); the entropy
+recomputes each chunk in backward (activation checkpointing).
 """
 
 from __future__ import annotations
@@ -34,6 +35,37 @@ def _chunk_log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> Tens
     return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
+class _TokenLogProbs(torch.autograd.Function):
+    """`_chunk_log_probs` with a hand-written backward that keeps only the per-row logsumexp.
+
+    Activation checkpointing of `_chunk_log_probs` kept the same tensors (the input logits),
+    but ran the whole chunk forward again in backward (the logsumexp: another pass over
+    [rows, vocab]) through checkpoint's saved-tensor hooks, which cost more than the math on
+    a small model. The backward below is autograd's for that forward, op for op (Sub -> -g into
+    Logsumexp's `g * exp(x - lse)`, Gather's `zeros.scatter_add_`, the two summed, Div by T,
+    the cast back), so the gradients are bitwise those of the checkpointed version.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+        x = _scaled(logits, temperature)
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        t = ctx.temperature
+        x = _scaled(logits, t)
+        dx = (-grad).unsqueeze(-1) * (x - lse.unsqueeze(-1)).exp()
+        dx = dx + torch.zeros_like(x).scatter_add_(-1, tokens.unsqueeze(-1), grad.unsqueeze(-1))
+        if t not in (None, 0, 1, 1.0):
+            dx = dx / t
+        return dx.to(logits.dtype), None, None
+
+
 def _chunk_entropy(logits: Tensor, temperature: float) -> Tensor:
     x = _scaled(logits, temperature)
     logp = torch.log_softmax(x, dim=-1)
@@ -51,16 +83,24 @@ def _rows(logits: Tensor) -> Tensor:
     return logits.reshape(-1, logits.shape[-1])
 
 
-def _run_chunked(fn: Callable, logits: Tensor, extra: Tensor | None, temperature: float, chunk_size: int):
+def _run_chunked(fn: Callable, logits: Tensor, extra: Tensor | None, temperature: float, chunk_size: int,
+                 grad_fn: type[torch.autograd.Function] | None = None):
+    """fn over chunks of rows; with gradients, `grad_fn.apply` (same arguments) when given, else
+    fn under activation checkpointing."""
     flat = _rows(logits)
     flat_extra = extra.reshape(-1) if extra is not None else None
     n = flat.shape[0]
-    use_ckpt = torch.is_grad_enabled() and flat.requires_grad
+    use_grad = torch.is_grad_enabled() and flat.requires_grad
     outs = []
     for s in range(0, n, max(1, chunk_size)):
         args = (flat[s : s + chunk_size],) + ((flat_extra[s : s + chunk_size],) if flat_extra is not None else ())
         args = args + (temperature,)
-        outs.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False) if use_ckpt else fn(*args))
+        if not use_grad:
+            outs.append(fn(*args))
+        elif grad_fn is not None:
+            outs.append(grad_fn.apply(*args))
+        else:
+            outs.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False))
     return outs
 
 
@@ -80,7 +120,7 @@ def compute_log_probs(
         raise ValueError(f"compute_log_probs: logits {tuple(logits.shape)} vs tokens {tuple(tokens.shape)}")
     if tokens.numel() == 0:
         return torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    outs = _run_chunked(_chunk_log_probs, logits, tokens, temperature, chunk_size)
+    outs = _run_chunked(_chunk_log_probs, logits, tokens, temperature, chunk_size, grad_fn=_TokenLogProbs)
     return torch.cat(outs).reshape(tokens.shape)
 
 
