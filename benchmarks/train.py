@@ -4,10 +4,17 @@
     python benchmarks/train.py --quick --json out.jsonl    # tiny model only, fewer steps
 
 Per model:
-  (a) overhead: tokens/s of one `TrainActor.train` step (GRPO loss, FSDP2 on one rank, packed
+  (a) overhead: tokens/s of one `TrainActor.train` step (GRPO loss, the default fsdp backend on
+      one rank, which trains the plain module there: FSDP2 shards from two ranks on; packed
       micro-batches) against a bare Hugging Face forward + backward + grad clip + AdamW over the
-      same micro-batches in the same (packed) layout. All variants of (a) and (b) take turns step by
-      step so a shared machine's noise hits all; the fastest step counts (other jobs only add time). Goal: overhead under 15%.
+      same micro-batches in the same (packed) layout and the same form of loss, the token mean of
+      -advantage * log-prob (slime's PPO ratio is 1 on policy; the bare loop takes the rewards as
+      advantages). What slime does beyond that counts as overhead: group-normalized advantages,
+      log-probs in chunks of positions (bounded memory), per-token entropy (no grad) and the
+      logged metrics (pg_loss, clipfrac, ppo_kl, the train/rollout log-prob gap), the
+      non-finite-norm check. All variants of (a) and (b) take turns step by step so a shared
+      machine's noise hits all; the fastest step counts (other jobs only add time). Goal:
+      overhead under 15%.
   (b) layout: slime trainer tokens/s with packed micro-batches (default), padded ones
       (--disable-sequence-packing), and token-budget micro-batches (--use-dynamic-batch-size), on
       a batch whose lengths follow a long tail.
@@ -96,7 +103,7 @@ def _sync(device) -> None:
 
 
 class BareTrainer:
-    """Plain HF model + AdamW: forward, the same GRPO token-mean loss, backward, clip, step."""
+    """Plain HF model + AdamW: forward, a token-mean -reward * log-prob loss, backward, clip, step."""
 
     def __init__(self, model_dir: str, device: torch.device, lr: float = 1e-6):
         from transformers import AutoModelForCausalLM
