@@ -72,7 +72,8 @@ def test_offloader_frees_rss_and_restores_bits(tmp_path):
 
 
 def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, tmp_path):
-    """A real FSDP rank (world size 1): offload frees params + optimizer + the mmap'd reference
+    """A real fsdp-backend rank (world size 1: the plain module; two sharded ranks are in
+    test_fsdp_trainer.py): offload frees params + optimizer + the mmap'd reference
     model, @resident methods still work while offloaded, onload is bitwise."""
     from slime.training.actor import TrainActor
 
