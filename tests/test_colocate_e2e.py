@@ -36,6 +36,8 @@ def cmd(task, out, save, *extra, model=None):
         "--num-rollout", "2", "--prompt-data", task["train"], "--input-key", "prompt", "--label-key", "label",
         "--apply-chat-template", "--hf-checkpoint", model or task["model"], "--rollout-max-response-len", "4",
         "--lr", "1e-2", "--micro-batch-size", "4", "--seed", "7", "--output-dir", str(out), "--save", str(save),
+        # an entropy bonus moves the weights even when no sample of the untrained model earns a reward
+        "--entropy-coef", "0.01",
         *extra,
     ]
 
