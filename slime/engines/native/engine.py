@@ -29,13 +29,12 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from slime.engines.native.kv_cache import BatchKV
+from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
+from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook  # noqa: F401 (re-exported)
 from slime.engines.native.sampling import sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (
@@ -44,44 +43,11 @@ from slime.engines.protocol import (
     SamplingParams,
     finish_abort,
     finish_length,
-    finish_stop,
 )
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class GenerationResult:
-    rid: str
-    output_ids: list[int]
-    text: str
-    finish_reason: dict
-    prompt_tokens: int
-    weight_version: str
-    output_token_logprobs: list[float]
-
-
-Callback = Callable[[GenerationResult | None, BaseException | None], None]
-# on_token(token_ids, logprobs): tokens that did not end their request, as they are sampled
-TokenHook = Callable[[list[int], list[float]], None]
-
-
-@dataclass
-class _Req:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    callback: Callback
-    generator: torch.Generator | None = None
-    on_token: TokenHook | None = None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict | None = None
-    stop_text_pos: int | None = None  # where the matched stop string starts in the decoded text
-    aborted: bool = False
-    done: bool = False
 
 
 class NativeEngine(EngineWeights):
@@ -140,7 +106,7 @@ class NativeEngine(EngineWeights):
             pad = 0
         self.pad_token_id = int(pad)
         self._params_by_name = dict(self.model.state_dict(keep_vars=True))
-        self.kv_bytes_per_token = _kv_bytes_per_token(cfg, self.dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(cfg, self.dtype)
         if max_total_tokens is None:
             max_total_tokens = default_max_total_tokens(
                 self.kv_bytes_per_token, self.max_running_requests * self.max_context_length, self.device
@@ -155,9 +121,9 @@ class NativeEngine(EngineWeights):
 
         # queues / state guarded by _cv
         self._cv = threading.Condition()
-        self._waiting: collections.deque[_Req] = collections.deque()
-        self._running: list[_Req] = []  # rows of the batch, in cache order
-        self._admitting: list[_Req] = []  # popped from _waiting, being prefilled
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []  # rows of the batch, in cache order
+        self._admitting: list[Request] = []  # popped from _waiting, being prefilled
         self._abort_pending = False
         self._paused = False
         self._exclusive_waiters = 0
@@ -212,7 +178,7 @@ class NativeEngine(EngineWeights):
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed % (2**64))
-        req = _Req(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
+        req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
                    on_token=on_token)
         if sp.max_new_tokens == 0:
             self._finish(req, finish_length(0))
@@ -457,7 +423,7 @@ class NativeEngine(EngineWeights):
             self._peak_kv_tokens = n
 
     # ---- batch tensor plumbing
-    def _prefill(self, reqs: list[_Req]) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
         # identical prompts (n samples of one prompt) are prefilled once
         uniq: dict[tuple, int] = {}
         row_of = []
@@ -549,7 +515,7 @@ class NativeEngine(EngineWeights):
             self._finish(r, r.finish)
 
     # ---- sampling
-    def _sample(self, logits: torch.Tensor, reqs: list[_Req]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Sample one token per row and record each row's log-prob of it."""
         tokens, token_lp = sample_next_tokens(
             logits, [r.params for r in reqs], [r.generator for r in reqs], self._engine_generator
@@ -558,116 +524,17 @@ class NativeEngine(EngineWeights):
             r.logprobs.append(lp)
         return tokens
 
-    def _append_tokens(self, reqs: list[_Req], tokens: torch.Tensor) -> None:
-        n = 0
+    def _append_tokens(self, reqs: list[Request], tokens: torch.Tensor) -> None:
         for r, t in zip(reqs, tokens.tolist()):
-            r.output_ids.append(t)
-            n += 1
-            if r.finish is not None:
-                continue
-            if r.aborted:
-                r.finish = finish_abort()
-                continue
-            sp = r.params
-            total = len(r.input_ids) + len(r.output_ids)
-            # same order as SGLang: length, then EOS / stop tokens (unless ignore_eos), then stop strings
-            if len(r.output_ids) >= sp.max_new_tokens or total >= self.max_context_length:
-                r.finish = finish_length(len(r.output_ids))
-            elif not sp.ignore_eos and (t in self.eos_token_ids or t in sp.stop_token_ids):
-                r.finish = finish_stop(t)
-            elif sp.stop:
-                text = self.tokenizer.decode(r.output_ids, skip_special_tokens=sp.skip_special_tokens)
-                best = None
-                for s in sp.stop:
-                    k = text.find(s)
-                    if k >= 0 and (best is None or k < best[0]):
-                        best = (k, s)
-                if best is not None:
-                    r.stop_text_pos = best[0]
-                    r.finish = finish_stop(best[1])
-            if r.finish is None and r.on_token is not None:
-                try:
-                    r.on_token([t], r.logprobs[len(r.output_ids) - 1 : len(r.output_ids)])
-                except Exception:  # noqa: BLE001 - a streamer's bug must not fail the batch
-                    logger.exception("on_token hook failed")
+            r.add_token(t, self.eos_token_ids, self.max_context_length, self.tokenizer)
         with self._cv:
-            self._stats["generated_tokens"] += n
+            self._stats["generated_tokens"] += len(reqs)
 
-    def _finish(self, r: _Req, finish: dict) -> None:
-        if r.done:
-            return
-        r.done = True
-        try:
-            sp = r.params
-            ids = r.output_ids
-            # logprobs/output_ids may be one longer than each other only transiently
-            lps = r.logprobs[: len(ids)]
-            matched = finish.get("matched")
-            text_ids = ids
-            if isinstance(matched, int) and finish["type"] == "stop" and not sp.no_stop_trim and ids:
-                text_ids = ids[:-1]
-            text = self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
-            if isinstance(matched, str) and not sp.no_stop_trim and r.stop_text_pos is not None:
-                text = text[: r.stop_text_pos]
-            res = GenerationResult(
-                rid=r.rid,
-                output_ids=list(ids),
-                text=text,
-                finish_reason=finish,
-                prompt_tokens=len(r.input_ids),
-                weight_version=self.weight_version,
-                output_token_logprobs=list(lps),
-            )
-        except BaseException as e:  # noqa: BLE001
-            r.callback(None, e)
-            return
-        try:
-            r.callback(res, None)
-        except Exception:  # noqa: BLE001
-            logger.exception("callback failed")
+    def _finish(self, r: Request, finish: dict) -> None:
+        r.complete(finish, self.weight_version, self.tokenizer)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
-
-
-def peak_kv_tokens(rows: list[tuple[int, int]]) -> int:
-    """The largest `rows x padded length` a left-padded batch reaches if no row stops early.
-
-    rows: (current length, final length) per row. All rows grow by one token per step and
-    leave at their final length; the padded length is the longest running row. The peak is
-    reached just before some row leaves, so it is checked at each row's last step.
-    """
-    if not rows:
-        return 0
-    order = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
-    best = count = longest = 0
-    for cur, final in order:
-        count += 1
-        longest = max(longest, cur)
-        best = max(best, count * (longest + max(final - cur, 0)))
-    return best
-
-
-def _kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
-    return 2 * layers * kv_heads * int(head_dim) * torch.empty((), dtype=dtype).element_size()
-
-
-def default_max_total_tokens(bytes_per_token: int, cap: int, device: torch.device) -> int:
-    """SGLang-style default: the KV tokens that fit in 30% of the free memory (at most `cap`)."""
-    try:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-    except Exception:  # noqa: BLE001
-        free = 4 << 30
-    return int(max(2048, min(cap, int(0.3 * free) // max(1, bytes_per_token))))
 
 
 def default_num_threads() -> int:

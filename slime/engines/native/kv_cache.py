@@ -199,6 +199,47 @@ class BatchKV:
         return out
 
 
+# ---------------------------------------------------------------- the budget
+def peak_kv_tokens(rows: list[tuple[int, int]]) -> int:
+    """The largest `rows x padded length` a left-padded batch reaches if no row stops early.
+
+    rows: (current length, final length) per row. All rows grow by one token per step and
+    leave at their final length; the padded length is the longest running row. The peak is
+    reached just before some row leaves, so it is checked at each row's last step.
+    """
+    if not rows:
+        return 0
+    order = sorted(rows, key=lambda r: r[1] - r[0], reverse=True)
+    best = count = longest = 0
+    for cur, final in order:
+        count += 1
+        longest = max(longest, cur)
+        best = max(best, count * (longest + max(final - cur, 0)))
+    return best
+
+
+def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+    return 2 * layers * kv_heads * int(head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def default_max_total_tokens(bytes_per_token: int, cap: int, device: torch.device) -> int:
+    """SGLang-style default: the KV tokens that fit in 30% of the free memory (at most `cap`)."""
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001
+        free = 4 << 30
+    return int(max(2048, min(cap, int(0.3 * free) // max(1, bytes_per_token))))
+
+
 _layer_class = None
 
 

@@ -1,0 +1,111 @@
+"""One generation request inside the native engine: its state, finish rules and result."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from slime.engines.protocol import SamplingParams, finish_abort, finish_length, finish_stop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    output_ids: list[int]
+    text: str
+    finish_reason: dict
+    prompt_tokens: int
+    weight_version: str
+    output_token_logprobs: list[float]
+
+
+Callback = Callable[[GenerationResult | None, BaseException | None], None]
+# on_token(token_ids, logprobs): tokens that did not end their request, as they are sampled
+TokenHook = Callable[[list[int], list[float]], None]
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    callback: Callback
+    generator: torch.Generator | None = None
+    on_token: TokenHook | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    stop_text_pos: int | None = None  # where the matched stop string starts in the decoded text
+    aborted: bool = False
+    done: bool = False
+
+    def add_token(self, t: int, eos_token_ids: set[int], max_context_length: int, tokenizer) -> None:
+        """Append a sampled token (its log-prob is already in `logprobs`) and apply the finish
+        rules in SGLang's order: length, then EOS / stop tokens (unless ignore_eos), then stop
+        strings. Tokens that do not end the request go to `on_token`."""
+        self.output_ids.append(t)
+        if self.finish is not None:
+            return
+        if self.aborted:
+            self.finish = finish_abort()
+            return
+        sp = self.params
+        if len(self.output_ids) >= sp.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= max_context_length:
+            self.finish = finish_length(len(self.output_ids))
+        elif not sp.ignore_eos and (t in eos_token_ids or t in sp.stop_token_ids):
+            self.finish = finish_stop(t)
+        elif sp.stop:
+            text = tokenizer.decode(self.output_ids, skip_special_tokens=sp.skip_special_tokens)
+            best = None
+            for s in sp.stop:
+                k = text.find(s)
+                if k >= 0 and (best is None or k < best[0]):
+                    best = (k, s)
+            if best is not None:
+                self.stop_text_pos = best[0]
+                self.finish = finish_stop(best[1])
+        if self.finish is None and self.on_token is not None:
+            try:
+                self.on_token([t], self.logprobs[len(self.output_ids) - 1 : len(self.output_ids)])
+            except Exception:  # noqa: BLE001 - a streamer's bug must not fail the batch
+                logger.exception("on_token hook failed")
+
+    def complete(self, finish: dict, weight_version: str, tokenizer) -> None:
+        """Build the result (text trimmed at a matched stop unless no_stop_trim) and call the
+        callback, once."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            sp = self.params
+            ids = self.output_ids
+            # logprobs/output_ids may be one longer than each other only transiently
+            lps = self.logprobs[: len(ids)]
+            matched = finish.get("matched")
+            text_ids = ids
+            if isinstance(matched, int) and finish["type"] == "stop" and not sp.no_stop_trim and ids:
+                text_ids = ids[:-1]
+            text = tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
+            if isinstance(matched, str) and not sp.no_stop_trim and self.stop_text_pos is not None:
+                text = text[: self.stop_text_pos]
+            res = GenerationResult(
+                rid=self.rid,
+                output_ids=list(ids),
+                text=text,
+                finish_reason=finish,
+                prompt_tokens=len(self.input_ids),
+                weight_version=weight_version,
+                output_token_logprobs=list(lps),
+            )
+        except BaseException as e:  # noqa: BLE001
+            self.callback(None, e)
+            return
+        try:
+            self.callback(res, None)
+        except Exception:  # noqa: BLE001
+            logger.exception("callback failed")
