@@ -141,12 +141,7 @@ async def stream_completions(request: web.Request, engine: NativeEngine, inputs:
             ch.offsets[st.index] = pos
             c["logprobs"] = {"tokens": toks, "token_logprobs": [float(x) for x in lps], "top_logprobs": None,
                              "text_offset": offsets}
-        extra = {}
-        if st.result is not None:
-            c["finish_reason"] = _finish_reason(st.result.finish_reason)
-            c["matched_stop"] = st.result.finish_reason.get("matched")
-            extra["weight_version"] = st.result.weight_version
-        return [ch.chunk([c], **extra)]
+        return [ch.chunk([c], **_finish_fields(c, st))]
 
     return await serve_stream(request, engine, inputs, update, tail=ch.tail)
 
@@ -171,11 +166,15 @@ async def stream_chat(request: web.Request, engine: NativeEngine, inputs: list[G
                 {"token": t, "logprob": float(x), "bytes": list(t.encode("utf-8")), "top_logprobs": []}
                 for t, x in zip(toks, lps)
             ]}
-        extra = {}
-        if st.result is not None:
-            c["finish_reason"] = _finish_reason(st.result.finish_reason)
-            c["matched_stop"] = st.result.finish_reason.get("matched")
-            extra["weight_version"] = st.result.weight_version
-        return [ch.chunk([c], **extra)]
+        return [ch.chunk([c], **_finish_fields(c, st))]
 
     return await serve_stream(request, engine, inputs, update, head=head, tail=ch.tail)
+
+
+def _finish_fields(choice: dict, st: StreamState) -> dict:
+    """On a choice's last chunk: its finish_reason and matched_stop, and the chunk's weight_version."""
+    if st.result is None:
+        return {}
+    choice["finish_reason"] = _finish_reason(st.result.finish_reason)
+    choice["matched_stop"] = st.result.finish_reason.get("matched")
+    return {"weight_version": st.result.weight_version}
