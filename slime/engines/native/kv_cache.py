@@ -109,19 +109,22 @@ class BatchKV:
         nz = used.nonzero()
         return int(nz[0].item()) if len(nz) else self.length
 
-    def _realloc(self, row_capacity: int, column_capacity: int, start: int) -> None:
-        """New buffers; rows [:rows] and columns [start:length] move to the left edge."""
+    def _realloc(self, row_capacity: int, column_capacity: int, start: int, length: int | None = None) -> None:
+        """New buffers; the rows in use keep their columns [start:length) and end at column
+        `length` of the new buffers (default: they start at the left edge)."""
         n, keep = self.rows, self.length - start
-        assert row_capacity >= n and column_capacity >= keep
+        length = keep if length is None else length
+        pad = length - keep
+        assert row_capacity >= n and column_capacity >= length and pad >= 0
         mask = torch.zeros((row_capacity, column_capacity), dtype=torch.bool, device=self.device)
-        mask[:n, :keep] = self.mask[:n, start : self.length]
+        mask[:n, pad:length] = self.mask[:n, start : self.length]
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
                 new = old.new_zeros((row_capacity, old.shape[1], column_capacity, old.shape[3]))
-                new[:n, :, :keep] = old[:n, :, start : self.length]
+                new[:n, :, pad:length] = old[:n, :, start : self.length]
                 bufs[i] = new
         self.mask = mask
-        self.row_capacity, self.column_capacity, self.length = row_capacity, column_capacity, keep
+        self.row_capacity, self.column_capacity, self.length = row_capacity, column_capacity, length
 
     # ------------------------------------------------------------------ rows
     def remove_rows(self, keep: list[int]) -> list[int]:
@@ -155,10 +158,10 @@ class BatchKV:
         prompt share its prefill) after the rows in use."""
         n, L = len(index), new.length
         if self.rows + n > self.row_capacity or L > self.length:
-            length = max(self.length - self._first_real_column(), L)
+            start = self._first_real_column()
+            length = max(self.length - start, L)
             rows = self.rows + n
-            cap = max(length + 1, min(length + GROW, limit // rows))
-            self._realloc_for(rows, cap, length)
+            self._realloc(rows, max(length + 1, min(length + GROW, limit // rows)), start, length)
         idx = torch.tensor(index, device=self.device)
         r0, r1 = self.rows, self.rows + n
         c0 = self.length - L
@@ -169,22 +172,6 @@ class BatchKV:
         self.mask[r0:r1] = False
         self.mask[r0:r1, c0 : self.length] = new.mask.index_select(0, idx)[:, :L]
         self.rows = r1
-
-    def _realloc_for(self, row_capacity: int, column_capacity: int, length: int) -> None:
-        """Reallocate with the rows in use right-aligned at column `length` (>= their real span)."""
-        start = self._first_real_column()
-        keep = self.length - start
-        pad = length - keep
-        n = self.rows
-        mask = torch.zeros((row_capacity, column_capacity), dtype=torch.bool, device=self.device)
-        mask[:n, pad:length] = self.mask[:n, start : self.length]
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
-                b = old.new_zeros((row_capacity, old.shape[1], column_capacity, old.shape[3]))
-                b[:n, :, pad:length] = old[:n, :, start : self.length]
-                bufs[i] = b
-        self.mask = mask
-        self.row_capacity, self.column_capacity, self.length = row_capacity, column_capacity, length
 
     def take(self, index: list[int]) -> "BatchKV":
         """A new batch of rows `index` of this one (a prefilled batch; an index may repeat)."""
