@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
-from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook  # noqa: F401 (re-exported)
+from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook
 from slime.engines.native.sampling import sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (

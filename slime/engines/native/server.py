@@ -13,7 +13,8 @@ import time
 
 from aiohttp import web
 
-from slime.engines.native.engine import GenerationResult, NativeEngine
+from slime.engines.native.engine import NativeEngine
+from slime.engines.native.requests import GenerationResult
 from slime.engines.native.openai_api import add_openai_routes
 from slime.engines.native.streaming import pop_stream_flag, stream_generate
 from slime.engines.protocol import (

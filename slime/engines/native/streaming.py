@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from slime.engines.native.engine import GenerationResult, NativeEngine
+from slime.engines.native.engine import NativeEngine
+from slime.engines.native.requests import GenerationResult
 from slime.engines.protocol import GenerateInput, ProtocolError, build_generate_response, error_body
 
 logger = logging.getLogger(__name__)
