@@ -60,6 +60,8 @@ def test_joins_leaves_growth_and_compaction_match_full_forwards(model, limit):
     seqs: list[list[int]] = []  # each row's tokens so far (prompt + generated)
     kv = None
     peak = 0
+    reallocations = 0  # decode steps after which layer 0's key buffer is a new tensor
+    last_buffer = None
     with torch.inference_mode():
         for step in range(70):
             if step in (0, 9, 25, 40):  # joins: a short prompt, a long one (shifts the batch), a repeated one
@@ -87,12 +89,13 @@ def test_joins_leaves_growth_and_compaction_match_full_forwards(model, limit):
             logits = _decode(model, kv, tokens, limit)
             assert kv.rows == len(seqs)
             peak = max(peak, kv.allocated_tokens)
+            reallocations += kv.keys[0] is not last_buffer
+            last_buffer = kv.keys[0]
             torch.testing.assert_close(logits, _reference(model, seqs), atol=2e-5, rtol=0)
-    longest = max(len(s) for s in seqs)
     if limit < 10_000:  # the budget binds: compaction kept the allocation within it
         assert peak <= limit
-    else:  # columns grew in steps of GROW, not one per token
-        assert kv.column_capacity - kv.length < GROW + longest
+    else:  # columns grew GROW at a time: far fewer reallocations than the 70 decode steps
+        assert reallocations <= 70 // GROW + 4 + 4 + 1, reallocations  # growth, joins, trims, the first
 
 
 def test_growth_past_the_budget_compacts_to_the_rows_in_use(model):
