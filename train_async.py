@@ -24,7 +24,7 @@ from slime.utils.errors import SlimeConfigError, run_main
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(overlap_training=True)
     if args.colocate:
         raise SlimeConfigError("train_async.py overlaps generation and training, which needs separate devices; "
                                "drop --colocate, or use train.py for a colocated run")

@@ -13,7 +13,10 @@ slowest group. Each record: wall time of the whole process and of its training l
 `perf/step_time`: start-up, the same for every mode, left out), generated tokens/s over the loop
 (`tokens_per_s`) and over the whole process (`tokens_per_s_wall`), the mean
 `perf/wait_time_ratio` (share of each step the trainer waits for data, rollouts after the
-first), and the mean reward of the first and last three rollouts.
+first), and the mean reward of the first and last three rollouts. With --rounds N the three
+modes run in turn N times (sync, async, fully async, sync, ...): a shared machine's speed drifts
+over minutes, so each round's ratios compare runs minutes apart, and each mode's record holds the
+round with its median loop time plus every round's loop time and ratio to that round's sync run.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main() -> None:
     p.add_argument("--rollout-batch-size", type=int, default=8)
     p.add_argument("--max-response-len", type=int, default=256)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--rounds", type=int, default=1, help="run the modes in turn this many times")
     a = p.parse_args()
 
     from tiny_task import make_tiny_task
@@ -85,7 +89,16 @@ def main() -> None:
         tmp = Path(tmp)
         model = build_tiny_model(tmp / "model", seed=0)
         data, _ = make_tiny_task(tmp / "data", seed=0)
-        records = [run_mode(mode, model, data, tmp / mode, a) for mode in a.modes]
+        rounds = [{mode: run_mode(mode, model, data, tmp / f"{mode}_{i}", a) for mode in a.modes}
+                  for i in range(a.rounds)]
+    records = []
+    for mode in a.modes:
+        runs = sorted((r[mode] for r in rounds), key=lambda rec: rec["loop_s"])
+        rec = dict(runs[(len(runs) - 1) // 2])  # the median round (the faster one of two middles)
+        rec["loop_s_rounds"] = [r[mode]["loop_s"] for r in rounds]
+        if "sync" in a.modes:
+            rec["vs_sync_rounds"] = [round(r[mode]["tokens_per_s"] / r["sync"]["tokens_per_s"], 2) for r in rounds]
+        records.append(rec)
     base = next((r for r in records if r["mode"] == "sync"), None)
     print(f"{'mode':<12} {'wall s':>7} {'loop s':>7} {'tok/s':>7} {'vs sync':>7} {'wait':>6} "
           f"{'reward first3->last3':>21} {'stale':>5}")
@@ -94,7 +107,8 @@ def main() -> None:
         r["throughput_vs_sync"] = round(ratio, 2)
         print(f"{r['mode']:<12} {r['wall_s']:>7} {r['loop_s']:>7} {r['tokens_per_s']:>7} {ratio:>6.2f}x "
               f"{r['wait_time_ratio']:>6} "
-              f"{r['reward_first3']:>10} -> {r['reward_last3']:<8} {r['staleness_max']:>5}")
+              f"{r['reward_first3']:>10} -> {r['reward_last3']:<8} {r['staleness_max']:>5}"
+              + (f"  rounds: loop s {r['loop_s_rounds']}, vs sync {r.get('vs_sync_rounds')}" if a.rounds > 1 else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(records, indent=1))
 

@@ -515,16 +515,33 @@ def _data_file(spec: str) -> Path:
     return split_slice(spec)[0]
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args(argv: list[str] | None = None, overlap_training: bool = False) -> Args:
+    """Parse and validate the flags. `overlap_training`: the driver generates while it trains
+    (train_async.py), which decides how the two share this machine's CPUs (`cpu_share`)."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     _check_unknown_flags(argv, parser)
     args, extra = parser.parse_known_args(argv, namespace=Args())
+    args.overlap_training = overlap_training
     passed = _collect_pass_through(extra)
     args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
     return validate(args)
 
 
-def num_cpu_threads(processes: int) -> int:
-    """Threads one of `processes` CPU-bound processes sharing this machine should use."""
-    return max(1, (os.cpu_count() or 1) // max(1, processes))
+def num_cpu_threads(processes: int, share: float = 1.0) -> int:
+    """Threads for one of `processes` CPU-bound processes that together may use `share` of this
+    machine's CPUs."""
+    return max(1, int((os.cpu_count() or 1) * share) // max(1, processes))
+
+
+def cpu_share(args, role: str) -> float:
+    """The share of this machine's CPUs that the train ranks (`role="train"`) or the rollout engines
+    (`role="rollout"`) may use. train.py alternates generation and training, so each takes all of
+    them. train_async.py runs both at once, so they split the CPUs in proportion to their process
+    counts: threads of both on the same cores slow each other down (a tiny model's train step took
+    3.5x longer while an engine generated beside it with two threads each on two cores)."""
+    if not getattr(args, "overlap_training", False):
+        return 1.0
+    train = args.dp_size * (2 if args.use_critic else 1)
+    rollout = args.num_engines
+    return (train if role == "train" else rollout) / (train + rollout)
