@@ -192,6 +192,7 @@ def worker(cfg: dict) -> dict:
     runner = {"native": run_native, "hf": run_hf,
               "vllm": lambda *a: run_vllm(*a, eager=cfg.get("vllm_eager", False))}[cfg["engine"]]
     once, stats, close = runner(cfg["model_dir"], prompts, cfg["max_new_tokens"], cfg["threads"])
+    before = stats()  # the warm-up's counts, left out of the per-run prefill figure
     times = []
     t_start = time.perf_counter()
     while len(times) < cfg["repeats"]:
@@ -213,7 +214,8 @@ def worker(cfg: dict) -> dict:
     }
     if extra:
         rec["peak_kv_tokens"] = extra.get("peak_kv_tokens")
-        rec["prefill_tokens"] = extra.get("total_prefill_tokens")
+        done = extra.get("total_prefill_tokens", 0) - before.get("total_prefill_tokens", 0)
+        rec["prefill_tokens_per_run"] = done // len(times)  # shared prompts are prefilled once
     return rec
 
 
