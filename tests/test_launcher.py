@@ -27,3 +27,20 @@ def test_sglang_flags_forwarded_to_native_engine(tiny_model_dir, tmp_path):
 def test_forwarded_flags_bare_and_valued():
     flags, ignored = forwarded_flags({"a_b": True, "c": "1", "zz": "2"}, {"a_b", "c"})
     assert flags == ["--a-b", "--c", "1"] and ignored == ["zz"]
+
+
+def test_engine_threads_follow_the_cpu_split(tiny_model_dir, tmp_path, monkeypatch):
+    """train.py gives an engine every core; train_async.py, which trains while it generates,
+    gives engines and train ranks their shares (16 cores, 1 rank, 3 engines: 12 for the engines)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input": "x"}) + "\n")
+    flags = ["--hf-checkpoint", tiny_model_dir, "--prompt-data", str(data), "--rollout-batch-size", "1",
+             "--num-rollout", "1", "--rollout-num-gpus", "3", "--output-dir", str(tmp_path / "o")]
+
+    def threads(args):
+        cmd = native_command(args, rank=0, host="127.0.0.1", port=1)
+        return cmd[cmd.index("--num-threads") + 1]
+
+    assert threads(parse_args(flags)) == "5"  # 16 // 3
+    assert threads(parse_args(flags, overlap_training=True)) == "4"  # 16 * 3/4 // 3
