@@ -517,7 +517,7 @@ def _data_file(spec: str) -> Path:
 
 def parse_args(argv: list[str] | None = None, overlap_training: bool = False) -> Args:
     """Parse and validate the flags. `overlap_training`: the driver generates while it trains
-    (train_async.py), which decides how the two share this machine's CPUs (`cpu_share`)."""
+    (train_async.py), which decides how the two share this machine's CPUs (`cpu_threads`)."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     _check_unknown_flags(argv, parser)
@@ -528,20 +528,18 @@ def parse_args(argv: list[str] | None = None, overlap_training: bool = False) ->
     return validate(args)
 
 
-def num_cpu_threads(processes: int, share: float = 1.0) -> int:
-    """Threads for one of `processes` CPU-bound processes that together may use `share` of this
-    machine's CPUs."""
+def cpu_threads(args, role: str, processes: int | None = None) -> int:
+    """Threads for each of the `processes` train ranks (`role="train"`, default `args.dp_size`) or
+    rollout engines (`role="rollout"`, default `args.num_engines`) on this machine.
+
+    train.py alternates generation and training, so each role may use all the CPUs. train_async.py
+    runs both at once, so the roles split the CPUs in proportion to their process counts: threads of
+    both on the same cores slow each other down (a tiny model's train step took 3.5x longer while an
+    engine generated beside it with two threads each on two cores)."""
+    share = 1.0
+    if getattr(args, "overlap_training", False):
+        train, rollout = args.dp_size * (2 if args.use_critic else 1), args.num_engines
+        share = (train if role == "train" else rollout) / (train + rollout)
+    if processes is None:
+        processes = args.dp_size if role == "train" else args.num_engines
     return max(1, int((os.cpu_count() or 1) * share) // max(1, processes))
-
-
-def cpu_share(args, role: str) -> float:
-    """The share of this machine's CPUs that the train ranks (`role="train"`) or the rollout engines
-    (`role="rollout"`) may use. train.py alternates generation and training, so each takes all of
-    them. train_async.py runs both at once, so they split the CPUs in proportion to their process
-    counts: threads of both on the same cores slow each other down (a tiny model's train step took
-    3.5x longer while an engine generated beside it with two threads each on two cores)."""
-    if not getattr(args, "overlap_training", False):
-        return 1.0
-    train = args.dp_size * (2 if args.use_critic else 1)
-    rollout = args.num_engines
-    return (train if role == "train" else rollout) / (train + rollout)

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from slime.arguments import cpu_share, num_cpu_threads, parse_args
+from slime.arguments import cpu_threads, parse_args
 from slime.utils.errors import SlimeConfigError
 
 
@@ -80,15 +80,15 @@ def test_overlapped_training_splits_the_cpus(base, monkeypatch):
                     "--rollout-num-gpus", "6", "--rollout-num-gpus-per-engine", "2"]  # 2 ranks, 3 engines
     sync, overlapped = parse_args(flags), parse_args(flags, overlap_training=True)
     # train.py alternates generation and training: each takes every CPU
-    assert num_cpu_threads(sync.dp_size, cpu_share(sync, "train")) == 8
-    assert num_cpu_threads(sync.num_engines, cpu_share(sync, "rollout")) == 5
+    assert cpu_threads(sync, "train") == 8
+    assert cpu_threads(sync, "rollout") == 5
     # train_async.py runs both at once: 2/5 of the CPUs for 2 ranks, 3/5 for 3 engines
-    assert num_cpu_threads(overlapped.dp_size, cpu_share(overlapped, "train")) == 3
-    assert num_cpu_threads(overlapped.num_engines, cpu_share(overlapped, "rollout")) == 3
+    assert cpu_threads(overlapped, "train") == 3
+    assert cpu_threads(overlapped, "rollout") == 3
     monkeypatch.setattr("os.cpu_count", lambda: 2)  # one rank and one engine on two cores: one thread each
     small = parse_args(base + ["--rollout-batch-size", "4", "--num-rollout", "1"], overlap_training=True)
-    assert num_cpu_threads(small.dp_size, cpu_share(small, "train")) == 1
-    assert num_cpu_threads(small.num_engines, cpu_share(small, "rollout")) == 1
+    assert cpu_threads(small, "train") == 1
+    assert cpu_threads(small, "rollout") == 1
 
 
 def test_num_epoch_derives_num_rollout(base):

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from slime.arguments import cpu_share, num_cpu_threads
+from slime.arguments import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def native_command(args, rank: int, host: str, port: int) -> list[str]:
         "--model-path", args.hf_checkpoint,
         "--host", host,
         "--port", str(port),
-        "--num-threads", str(num_cpu_threads(args.num_engines, cpu_share(args, "rollout"))),
+        "--num-threads", str(cpu_threads(args, "rollout")),
         "--random-seed", str(args.seed + rank),
         *extra,  # argparse keeps the last value, so these override the defaults above
     ]
@@ -116,7 +116,7 @@ class EngineServer:
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine_{self.rank}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=str(num_cpu_threads(self.args.num_engines, cpu_share(self.args, "rollout"))), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1")
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.arguments import cpu_share, num_cpu_threads
+from slime.arguments import cpu_threads
 from slime.training.actor import TrainActor
 from slime.ray.calls import first_line
 from slime.utils.errors import RunFailure, SlimeError
@@ -51,7 +51,7 @@ class TrainGroup:
         n = args.dp_size
         if bundles is not None and len(bundles) < n:
             raise ValueError(f"TrainGroup needs {n} bundles, got {len(bundles)}")
-        threads = str(num_cpu_threads(n, cpu_share(args, "train")))
+        threads = str(cpu_threads(args, "train", n))
         port = _free_port()
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "MASTER_ADDR": MASTER_ADDR,
                "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false"}

@@ -40,7 +40,7 @@ from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_sta
 from slime.algorithms.losses import (
     POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
-from slime.arguments import cpu_share, num_cpu_threads
+from slime.arguments import cpu_threads
 from slime.training.offload import resident
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
@@ -82,7 +82,7 @@ class TrainActor:
         self.master_addr = master_addr
         self.master_port = master_port
         self.backend = None
-        threads = num_cpu_threads(self.world_size, cpu_share(args, "train"))
+        threads = cpu_threads(args, "train", self.world_size)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
 
