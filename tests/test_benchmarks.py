@@ -1,0 +1,33 @@
+"""benchmarks/decode_step.py: the record it writes is consistent (tiny model, a few steps)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+
+def test_decode_step_record(tmp_path):
+    import decode_step
+
+    out = tmp_path / "decode_step.json"
+    rc = decode_step.main(["--model", "tiny", "--batch", "4", "--rounds", "2", "--steps", "3", "--warmup-steps", "2",
+                           "--dtypes", "bfloat16", "--profile", "--json", str(out)])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    # both engines hold the same context; each round advances it by --steps
+    assert rec["context"][1] == rec["hf_context"]
+    assert rec["context"][1] - rec["context"][0] == 2 * 3
+    assert set(rec["ms_per_step"]) == {"native", "hf", "gemm", "gemm_prepacked", "native_bfloat16"}
+    assert all(len(v) == 2 and min(v) > 0 for v in rec["ms_per_step_rounds"].values())
+    ms = rec["ms_per_step"]
+    assert rec["gemm_floor_ms"] == min(ms["gemm"], ms["gemm_prepacked"])
+    assert abs(rec["max_vs_hf"] - ms["hf"] / rec["gemm_floor_ms"]) < 0.01
+    # tiny model: 2 layers of q, o (128x128), k, v (128x64: one KV head) and gate, up, down
+    # (128x256), plus the 128 x vocab LM head; 2 FLOPs per multiply-add, 4 rows
+    from slime.utils.tiny_model import build_tokenizer
+
+    vocab = len(build_tokenizer())
+    flops = 2 * 4 * (2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * vocab)
+    assert abs(rec["gemm_gflops"] - flops / rec["gemm_floor_ms"] / 1e6) < 0.1
+    assert rec["native_profile"][0]["self_ms_per_step"] >= rec["native_profile"][-1]["self_ms_per_step"]
