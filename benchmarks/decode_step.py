@@ -90,13 +90,10 @@ class HFSteps:
     def __init__(self, model, prompts, pad):
         import torch
 
+        from rollout import left_pad
+
         self.model = model
-        L = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), L), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), L), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p):] = torch.tensor(p)
-            mask[i, L - len(p):] = 1
+        ids, mask = left_pad(prompts, pad)
         from transformers import DynamicCache
 
         self.cache = DynamicCache()

@@ -56,6 +56,19 @@ def batch_prompts(tokenizer, batch: int, shared: bool) -> list[list[int]]:
     return make_prompts(tokenizer, batch)
 
 
+def left_pad(prompts: list[list[int]], pad: int):
+    """(input ids, attention mask), both [len(prompts), longest] long, padded on the left."""
+    import torch
+
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    return ids, mask
+
+
 # ---------------------------------------------------------------- workers (one configuration each)
 def run_native(model_dir, prompts, max_new, threads):
     import threading
@@ -107,12 +120,8 @@ def run_hf(model_dir, prompts, max_new, threads):
     def once(ps, n_new):
         u = uniq if ps is prompts else ps
         k = nrs if ps is prompts else 1
-        L = max(len(p) for p in u)
-        ids = torch.full((len(u), L), pad, dtype=torch.long)
-        mask = torch.zeros((len(u), L), dtype=torch.long)
-        for i, p in enumerate(u):
-            ids[i, L - len(p):] = torch.tensor(p)
-            mask[i, L - len(p):] = 1
+        ids, mask = left_pad(u, pad)
+        L = ids.shape[1]
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
