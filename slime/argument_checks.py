@@ -46,14 +46,11 @@ def validate_engines(args: Args) -> None:
     require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
             "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
             "directories from disk); use tensor or distributed")
-    # what each external backend's weight endpoints take: SGLang's /update_weights_from_tensor wants
-    # CUDA-IPC handles (not implemented here), vLLM's adapter has no process-group endpoint
+    # what SGLang's weight endpoints take: its /update_weights_from_tensor wants CUDA-IPC handles
+    # (not implemented here)
     require(args.rollout_backend != "sglang" or args.update_weights_mode == "distributed",
             "--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its own "
             "GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
-    require(args.rollout_backend != "vllm" or args.update_weights_mode == "tensor",
-            "--rollout-backend vllm takes weights as tensors (--update-weights-mode tensor); its adapter has no "
-            "process-group endpoint")
     if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
         from slime.engines.vllm import check_vllm_args
 

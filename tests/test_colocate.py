@@ -121,7 +121,7 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
 
 @pytest.mark.parametrize("shape,expected", [
     ((False, "native"), "distributed"), ((True, "native"), "disk"), ((False, "sglang"), "distributed"),
-    ((True, "sglang"), "tensor"), ((False, "vllm"), "tensor"),
+    ((True, "sglang"), "tensor"), ((False, "vllm"), "distributed"),
 ])
 def test_auto_mode_per_run_shape(shape, expected):
     from slime.training.weight_push import resolve_mode

@@ -216,6 +216,13 @@ class FakeVllm:
     async def rpc(self, request):
         body = await request.json()
         self.calls.append(("/collective_rpc", body))
+        method, args = body["method"], body["args"]
+        if method == "slime_init_weights_update_group":
+            return web.json_response({"results": [{"rank": args[2]}]})
+        if method == "slime_receive_weights":
+            return web.json_response({"results": [{"num_tensors": len(args[1])}]})
+        if method == "slime_destroy_weights_update_group":
+            return web.json_response({"results": [{"destroyed": True}]})
         self.rpc_files_existed.append(all(os.path.exists(p) for p in body["args"]))
         n = 0
         if body["method"] == "slime_load_weights":
@@ -384,8 +391,39 @@ def test_adapter_control_calls(adapter):
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         status, out = http(url, path, {})
         assert status == 501 and "sleep mode" in out["error"]["message"]
-    status, out = http(url, "/update_weights_from_distributed", {})
-    assert status == 501 and "/update_weights_from_tensor" in out["error"]["message"]
+
+
+def test_adapter_weights_over_a_process_group(adapter):
+    """init/update/destroy map onto the worker extension's collective RPCs; the buckets are
+    loaded when the one with flush_cache=true arrives; the version moves then."""
+    url, fake, state = adapter
+    group = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2,
+             "group_name": "g", "backend": "gloo"}
+    status, out = http(url, "/init_weights_update_group", group)
+    assert status == 200 and out["success"] and out["ranks"] == [1]
+    assert fake.calls[-1][1]["method"] == "slime_init_weights_update_group"
+    assert fake.calls[-1][1]["args"] == ["127.0.0.1", 29555, 1, 2, "g", "gloo"]
+    assert state.groups == {"g"}
+    status, out = http(url, "/init_weights_update_group", group)
+    assert status == 400 and out["error"]["param"] == "group_name"  # already joined
+
+    bucket = {"names": ["a.weight", "b.weight"], "dtypes": ["float32", "torch.bfloat16"], "shapes": [[2, 3], [4]],
+              "group_name": "g", "weight_version": "7", "flush_cache": False}
+    status, out = http(url, "/update_weights_from_distributed", bucket)
+    assert status == 200 and out["staged"] and out["weight_version"] == "0"
+    assert fake.calls[-1][1]["args"] == ["g", ["a.weight", "b.weight"], ["float32", "bfloat16"], [[2, 3], [4]], False]
+    status, out = http(url, "/update_weights_from_distributed", dict(bucket, names=["c.weight"], dtypes=["float32"],
+                                                                     shapes=[[1]], flush_cache=True))
+    assert status == 200 and out["weight_version"] == "7" and out["num_tensors"] == 1
+    assert fake.calls[-2][1]["args"][-1] is True and fake.calls[-1][0] == "/reset_prefix_cache"
+
+    status, out = http(url, "/update_weights_from_distributed", dict(bucket, group_name="nope"))
+    assert status == 400 and out["error"]["param"] == "group_name" and "init_weights_update_group" in out["error"]["message"]
+    status, out = http(url, "/update_weights_from_distributed", dict(bucket, dtypes=["float32", "complex"]))
+    assert status == 400 and out["error"]["param"] == "dtypes[1]"
+    assert http(url, "/destroy_weights_update_group", {"group_name": "g"})[0] == 200
+    assert fake.calls[-1][1] == {"method": "slime_destroy_weights_update_group", "args": ["g"], "timeout": 600.0}
+    assert state.groups == set()
 
 
 def test_adapter_sleep_mode_maps_to_vllm_sleep(adapter):
@@ -436,7 +474,7 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
 
     from slime.engines.client import wait_until_healthy
     from slime.engines.launcher import free_port
-    from slime.training.weight_sync import sync_weights
+    from slime.training.weight_sync import broadcast_weights, init_broadcast_group, sync_weights
 
     port = free_port()
     log = open(tmp_path / "adapter.log", "wb")
@@ -476,6 +514,23 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
         greedy2, lps2, meta2 = gen(0.0)
         assert meta2["weight_version"] == "1" and greedy2 != greedy
         assert max(abs(a - b) for a, b in zip(lps2, hf_logprobs(hf, prompt, greedy2, 1.0))) < 1e-4
+
+        # over a process group (gloo), in several buckets: the worker loads them with the last one
+        newer = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in new.items()}
+        group = init_broadcast_group([url], backend="gloo", group_name="e2e_weights")
+        try:
+            assert http(url, "/get_server_info")[1]["weight_update_groups"] == ["e2e_weights"]
+            stats = broadcast_weights(newer.items(), [url], weight_version=2, buffer_size=200_000, group=group)
+            assert stats["buckets"] > 1
+        finally:
+            group.close()
+        assert http(url, "/get_server_info")[1]["weight_update_groups"] == []
+        hf.load_state_dict(newer, strict=False)
+        hf.tie_weights()
+        greedy3, lps3, meta3 = gen(0.0)
+        assert meta3["weight_version"] == "2" and greedy3 != greedy2
+        assert max(abs(a - b) for a, b in zip(lps3, hf_logprobs(hf, prompt, greedy3, 1.0))) < 1e-4
+        greedy2 = greedy3  # what the model generates from here on
 
         # paused: requests wait; abort by rid ends that one, abort-all the rest, each with finish_reason
         # abort and its (partial) tokens; generation goes on after continue
@@ -535,3 +590,4 @@ def test_grpo_run_on_vllm(vllm_installed, e2e_model, tmp_path):
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert r["perf/update_weights_time"] > 0
     assert "vLLM is up" in engine_log and "Reloading weights inplace" in engine_log
+    assert "weights by distributed" in proc.stdout  # what auto picks without --colocate: the broadcast group

@@ -84,3 +84,40 @@ def test_bad_distributed_requests_are_400(server, path, payload, field):
         post_json(url, path, payload, timeout=30)
     assert ei.value.status == 400 and field in str(ei.value), str(ei.value)
     assert proc.poll() is None
+
+
+def test_broadcast_marks_only_the_last_bucket_flush_cache(monkeypatch):
+    """flush_cache is false on every bucket but the last (vLLM's adapter loads the buckets
+    received so far when it sees it); each bucket's names are announced before its broadcast."""
+    import slime.engines.client as client
+    from slime.training.weight_sync import BroadcastGroup, broadcast_weights
+
+    posted, sent = [], []
+
+    class Done:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    class FakeGroup:
+        def broadcast(self, t, root):
+            sent.append(t.numel())
+            return Done()
+
+    def fake_post(url, path, payload, timeout):
+        posted.append((path, payload["names"], payload["flush_cache"]))
+        return {"success": True}
+
+    monkeypatch.setattr(client, "post_json", fake_post)
+    group = BroadcastGroup(FakeGroup(), ["http://e"], "g", "gloo", torch.device("cpu"))
+    weights = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each
+    stats = broadcast_weights(weights, ["http://e"], weight_version=3, buffer_size=2048, group=group)
+    assert stats["buckets"] == 3 and sent == [256] * 5
+    assert posted == [("/update_weights_from_distributed", ["w0", "w1"], False),
+                      ("/update_weights_from_distributed", ["w2", "w3"], False),
+                      ("/update_weights_from_distributed", ["w4"], True)]
+    posted.clear()
+    broadcast_weights(weights[:1], ["http://e"], weight_version=4, buffer_size=2048, group=group)
+    assert posted == [("/update_weights_from_distributed", ["w0"], True)]

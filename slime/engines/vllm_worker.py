@@ -2,14 +2,19 @@
 
 Runs INSIDE the vLLM virtual environment (the vLLM server is started with
 `--worker-extension-cls slime.engines.vllm_worker.SlimeWorkerExtension` and slime's
-repository on PYTHONPATH), so it imports nothing from slime and only torch /
-safetensors, which vLLM itself depends on.
+repository on PYTHONPATH), so it imports only torch / safetensors, which vLLM itself
+depends on, and slime's torch-only `slime.engines.native.weight_group`.
 
 slime's vLLM adapter calls these methods through vLLM's dev-mode `POST /collective_rpc`
 (`{"method": "slime_load_weights", "args": [path, ...]}`); every worker runs them and
 returns a small JSON-able dict. Loading goes through vLLM's own in-place `reload_weights`,
 which maps HF names onto vLLM's fused parameters (qkv_proj, gate_up_proj, ...) and re-runs
 each layer's post-load processing.
+
+Weights also arrive over a process group with the trainer (SGLang's
+`/init_weights_update_group` + `/update_weights_from_distributed` protocol): each worker
+joins as `rank_offset` + its tensor-parallel rank, receives every broadcast bucket, and
+loads what it holds when the last bucket (`load=True`) has arrived.
 """
 
 from __future__ import annotations
@@ -22,7 +27,19 @@ class SlimeWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
 
     def _slime_reload(self, files: list[str]) -> dict:
-        """Reload the model from checkpoint-format (HF-named) tensors in `files`, in place.
+        """Reload the model from the checkpoint-format (HF-named) tensors in `files`, in place."""
+        from safetensors import safe_open
+
+        def tensors():
+            for f in files:
+                with safe_open(f, framework="pt", device="cpu") as sf:
+                    for name in sf.keys():
+                        yield name, sf.get_tensor(name)
+
+        return dict(self._slime_load(tensors()), num_files=len(files))
+
+    def _slime_load(self, named_tensors) -> dict:
+        """Load (HF name, tensor) pairs into the served model, in place.
 
         vLLM's `reload_weights` restores each layer's checkpoint layout, loads the tensors and
         re-runs the layer's post-load processing (CPU kernels repack their weights), which a
@@ -30,24 +47,20 @@ class SlimeWorkerExtension:
         in one call: a layer processed with only part of its tensors (q but not k of a fused
         qkv) would be wrong.
         """
-        from safetensors import safe_open
-
         count = {"n": 0}
 
-        def tensors():
-            for f in files:
-                with safe_open(f, framework="pt", device="cpu") as sf:
-                    for name in sf.keys():
-                        count["n"] += 1
-                        yield name, sf.get_tensor(name)
+        def counted():
+            for name, t in named_tensors:
+                count["n"] += 1
+                yield name, t
 
         runner = self.model_runner
         if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+            runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         else:  # older vLLM: plain load (fine where no post-load processing repacks weights)
-            self.get_model().load_weights(weights=tensors())
+            self.get_model().load_weights(weights=counted())
         retied = self._slime_reprocess_tied_heads()
-        return {"num_tensors": count["n"], "num_files": len(files), "retied": retied}
+        return {"num_tensors": count["n"], "retied": retied}
 
     def _slime_reprocess_tied_heads(self) -> int:
         """A head tied to the input embedding gets no tensor of its own (checkpoints and the
@@ -79,6 +92,61 @@ class SlimeWorkerExtension:
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
         return self._slime_reload(files)
+
+    # ---- weights over a process group with the trainer (rank 0)
+    def _slime_groups(self) -> dict:
+        if not hasattr(self, "_slime_weight_groups"):
+            self._slime_weight_groups = {}  # group name -> (process group, store, backend)
+            self._slime_received = []  # (name, tensor) of the buckets of an update not loaded yet
+        return self._slime_weight_groups
+
+    def slime_init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "gloo") -> dict:
+        """Join the trainer's weight group as rank `rank_offset` + this worker's tensor-parallel
+        rank; blocks until every rank has joined."""
+        import torch
+
+        from slime.engines.native.weight_group import new_group
+
+        groups = self._slime_groups()
+        if group_name in groups:
+            raise ValueError(f"a weight update group named {group_name!r} already exists")
+        rank = int(rank_offset) + int(getattr(self, "rank", 0) or 0)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        pg, store = new_group(master_address, int(master_port), rank, int(world_size), group_name, backend,
+                              device=device)
+        groups[group_name] = (pg, store, backend)
+        self._slime_received = []
+        return {"rank": rank}
+
+    def slime_receive_weights(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                              load: bool) -> dict:
+        """Receive one bucket (one broadcast per name from rank 0); with `load`, load it and the
+        buckets received before it into the model."""
+        import torch
+
+        groups = self._slime_groups()
+        if group_name not in groups:
+            raise ValueError(f"no weight update group named {group_name!r}")
+        pg, _, backend = groups[group_name]
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
+            pg.broadcast(t, 0).wait()
+            self._slime_received.append((name, t))
+        if not load:
+            return {"num_tensors": len(names), "received": len(self._slime_received)}
+        received, self._slime_received = self._slime_received, []
+        return self._slime_load(iter(received))
+
+    def slime_destroy_weights_update_group(self, group_name: str) -> dict:
+        from slime.engines.native.weight_group import destroy_group
+
+        entry = self._slime_groups().pop(group_name, None)
+        if entry is not None:
+            destroy_group(entry[0])
+            self._slime_received = []
+        return {"destroyed": entry is not None}
 
     def slime_weight_sums(self, names_json: str = "[]") -> dict:
         """float64 sum of each named vLLM parameter (all when none are named), for tests and

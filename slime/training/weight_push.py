@@ -2,7 +2,7 @@
 
 `--update-weights-mode` (resolved in `slime.arguments.validate`; `auto` picks per run shape):
 
-- `distributed` (default without `--colocate`, native and SGLang engines): rank 0 and the
+- `distributed` (default without `--colocate`): rank 0 and the
   engines form a private process group (gloo on CPU, NCCL on GPU; SGLang's
   `/init_weights_update_group` + `/update_weights_from_distributed`), made once and reused;
   each bucket of at most `--update-weight-buffer-size` tensor bytes is announced over HTTP
@@ -49,7 +49,7 @@ def resolve_mode(mode: str, colocate: bool, rollout_backend: str) -> str:
         return mode
     if colocate:
         return "disk" if rollout_backend == "native" else "tensor"
-    return "distributed" if rollout_backend in ("native", "sglang") else "tensor"
+    return "distributed"
 
 
 def shm_dir() -> str | None:
@@ -168,8 +168,14 @@ class WeightPusher:
     def _new_group(self, engine_urls: list[str]):
         import uuid
 
-        # an SGLang engine joins with one rank per tensor-parallel GPU; a native engine with one
-        tp = self.args.rollout_num_gpus_per_engine if self.args.rollout_backend == "sglang" else 1
+        # SGLang and vLLM engines join with one rank per tensor-parallel worker; a native engine with one
+        args = self.args
+        tp = 1
+        if args.rollout_backend == "sglang":
+            tp = args.rollout_num_gpus_per_engine
+        elif args.rollout_backend == "vllm":  # --vllm-tensor-parallel-size, else the engine's GPUs
+            vllm_args = getattr(args, "vllm_args", None) or {}
+            tp = int(vllm_args.get("tensor_parallel_size", args.rollout_num_gpus_per_engine))
         return init_broadcast_group(engine_urls, master_address=_this_host(engine_urls),
                                     group_name=f"slime_weights_{uuid.uuid4().hex[:8]}", tp_size=tp)
 

@@ -209,7 +209,8 @@ def broadcast_weights(
 
     For each bucket (<= buffer_size tensor bytes) rank 0 POSTs the names/dtypes/shapes to
     every engine and broadcasts the tensors in that order; the engines receive them and copy
-    them in place. `group`: a `BroadcastGroup` from `init_broadcast_group` (made here, and
+    them in place (the native engine and SGLang per bucket; vLLM when the last bucket, the one
+    with `flush_cache: true`, has arrived). `group`: a `BroadcastGroup` from `init_broadcast_group` (made here, and
     closed at the end, when None; `group_kwargs` go to `init_broadcast_group`). Every rank
     must iterate `named_weights` (gathers are collective); only `send=True` talks to engines.
     """
@@ -228,8 +229,10 @@ def broadcast_weights(
         _session_call(engine_urls, "/begin_weight_update", timeout)
     try:
         buckets = iter_buckets(named_weights, buffer_size)
+        bucket = next(buckets, None)
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(engine_urls)))) as pool:
-            for bucket in buckets:
+            while bucket is not None:
+                following = next(buckets, None)  # flush_cache marks the last bucket (vLLM applies them then)
                 tensors = [t.detach().to(group.device).contiguous() for _, t in bucket]
                 payload = {
                     "names": [n for n, _ in bucket],
@@ -237,7 +240,7 @@ def broadcast_weights(
                     "shapes": [list(t.shape) for t in tensors],
                     "group_name": group.group_name,
                     "weight_version": str(weight_version),
-                    "flush_cache": True,
+                    "flush_cache": following is None,
                 }
                 futs = [pool.submit(post_json, url, DIST_ENDPOINT, payload, timeout) for url in engine_urls]
                 works = [group.pg.broadcast(t, 0) for t in tensors]
@@ -259,6 +262,7 @@ def broadcast_weights(
                                           endpoint=DIST_ENDPOINT)
                 tensor_bytes += sum(t.numel() * t.element_size() for t in tensors)
                 n_buckets += 1
+                bucket = following
         if sessions:
             _session_call(engine_urls, "/end_weight_update", timeout)
     finally:
