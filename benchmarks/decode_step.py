@@ -89,13 +89,12 @@ class HFSteps:
 
     def __init__(self, model, prompts, pad):
         import torch
+        from transformers import DynamicCache
 
         from rollout import left_pad
 
         self.model = model
         ids, mask = left_pad(prompts, pad)
-        from transformers import DynamicCache
-
         self.cache = DynamicCache()
         self.mask = mask
         with torch.inference_mode():
