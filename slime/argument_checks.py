@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slime.engines.kinds import engine_kind
 from slime.utils.errors import SlimeConfigError
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ def require(cond: bool, message: str) -> None:
 
 def validate_engines(args: Args) -> None:
     """Engine flags: --sglang-server-concurrency, the router address, health checks, --colocate's device
-    count, the weight-update mode each --rollout-backend takes, and the external backend's own flags."""
+    count, then what the engine kind checks (slime.engines.kinds): the weight-update mode it takes and
+    its own flags."""
     require(args.sglang_server_concurrency >= 1,
             f"--sglang-server-concurrency must be >= 1, got {args.sglang_server_concurrency}")
     require((args.sglang_router_ip is None) == (args.sglang_router_port is None),
@@ -40,25 +42,9 @@ def validate_engines(args: Args) -> None:
             f"--colocate needs --rollout-num-gpus ({args.rollout_num_gpus}) equal to the actor's devices "
             f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
         )
-    from slime.training.weight_push import resolve_mode
-
-    args.update_weights_mode = resolve_mode(args.update_weights_mode, args.colocate, args.rollout_backend)
-    require(args.update_weights_mode != "disk" or args.rollout_backend == "native",
-            "--update-weights-mode disk needs --rollout-backend native (SGLang and vLLM load whole model "
-            "directories from disk); use tensor or distributed")
-    # what SGLang's weight endpoints take: its /update_weights_from_tensor wants CUDA-IPC handles
-    # (not implemented here)
-    require(args.rollout_backend != "sglang" or args.update_weights_mode == "distributed",
-            "--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its own "
-            "GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
-    if args.rollout_backend == "vllm":  # the vLLM venv exists, no --vllm-* flag overrides a managed one
-        from slime.engines.vllm import check_vllm_args
-
-        check_vllm_args(args)
-    if args.rollout_backend == "sglang":  # SGLang is installed and its own parser accepts every --sglang-*
-        from slime.engines.sglang import check_sglang_args
-
-        check_sglang_args(args)
+    kind = engine_kind(args)
+    args.update_weights_mode = kind.resolve_update_weights_mode(args.update_weights_mode, args.colocate)
+    kind.check(args)
 
 
 def validate_custom_rollout(args: Args) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
-import os
 import sys
 from pathlib import Path
 
@@ -31,12 +30,12 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_engines,
     validate_megatron,
 )
+from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES
 from slime.utils.errors import SlimeConfigError
 
 SGLANG_PREFIX = "--sglang-"
 VLLM_PREFIX = "--vllm-"
 PASS_THROUGH_PREFIXES = (SGLANG_PREFIX, VLLM_PREFIX)
-ROLLOUT_BACKENDS = ("native", "sglang", "vllm")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo")
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
@@ -194,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups kept generating by --fully-async (default: --over-sampling-batch-size)")
 
     g = p.add_argument_group("engines")
-    g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default="native",
+    g.add_argument("--rollout-backend", choices=tuple(KINDS), default="native",
                    help="native: the embedded PyTorch engine; sglang: sglang.launch_server (--sglang-* "
                         "forwarded); vllm: vLLM's OpenAI server behind slime's adapter (--vllm-* forwarded)")
     g.add_argument("--sglang-server-concurrency", type=int, default=512,
@@ -231,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--update-weight-buffer-size", type=_size, default=_size("512MB"),
                    help="bytes per weight-sync bucket sent to the engines")
-    g.add_argument("--update-weights-mode", choices=("auto", "tensor", "distributed", "disk"), default="auto",
+    g.add_argument("--update-weights-mode", choices=UPDATE_WEIGHTS_MODES, default="auto",
                    help="how weights reach the engines: distributed (process-group broadcast; auto without "
                         "--colocate), disk (safetensors in /dev/shm handed by path, native engine; auto with "
                         "--colocate), tensor (safetensors bytes over HTTP); docs/cluster.md")
@@ -526,20 +525,3 @@ def parse_args(argv: list[str] | None = None, overlap_training: bool = False) ->
     passed = _collect_pass_through(extra)
     args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
     return validate(args)
-
-
-def cpu_threads(args, role: str, processes: int | None = None) -> int:
-    """Threads for each of the `processes` train ranks (`role="train"`, default `args.dp_size`) or
-    rollout engines (`role="rollout"`, default `args.num_engines`) on this machine.
-
-    train.py alternates generation and training, so each role may use all the CPUs. train_async.py
-    runs both at once, so the roles split the CPUs in proportion to their process counts: threads of
-    both on the same cores slow each other down (a tiny model's train step took 3.5x longer while an
-    engine generated beside it with two threads each on two cores)."""
-    share = 1.0
-    if getattr(args, "overlap_training", False):
-        train, rollout = args.dp_size * (2 if args.use_critic else 1), args.num_engines
-        share = (train if role == "train" else rollout) / (train + rollout)
-    if processes is None:
-        processes = args.dp_size if role == "train" else args.num_engines
-    return max(1, int((os.cpu_count() or 1) * share) // max(1, processes))

@@ -24,7 +24,6 @@ from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
 from slime.ray.actor_group import NoTraining, TrainGroup
 from slime.ray.calls import get
-from slime.training import offload
 from slime.rollout.manager import RolloutManager
 
 
@@ -70,39 +69,25 @@ class Run:
     def _colocated(self) -> bool:
         return bool(self.args.colocate and self.engine_urls and hasattr(self.actor, "offload"))
 
-    def _engine_memory(self, endpoint: str, tags: list[str] | None) -> float:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from slime.engines.client import post_json
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(self.engine_urls)) as pool:
-            list(pool.map(lambda u: post_json(u, endpoint, {"tags": tags}, self.args.stage_timeout or 600.0),
-                          self.engine_urls))
-        return time.perf_counter() - start
-
     def before_train(self) -> None:
         """--colocate: the engines release their KV cache and weights, the train ranks onload."""
         if not self._colocated():
             return
         h = self.handoff
-        h["memory/engine_rss_mb_serving"] = offload.engines_rss_mb(self.engine_urls)
-        h["perf/engine_release_time"] = self._engine_memory("/release_memory_occupation", ["kv_cache", "weights"])
-        h["memory/engine_rss_mb_released"] = offload.engines_rss_mb(self.engine_urls)
+        h.update(get(self.rollout.offload.remote(), "engine memory release", "RolloutManager", self.args.stage_timeout))
         stats = self.actor.onload()
         h["perf/onload_time"], h["memory/train_rss_mb_training"] = stats["seconds"], stats["rss"] / 2**20
 
     def before_generate(self) -> None:
         """--colocate: the train ranks offload, the engines take their KV cache back (their weights
-        are already back: `push_weights` resumes them before it pushes)."""
+        are already back: `push_weights` onloads them before it pushes)."""
         if not self._colocated():
             return
         h = self.handoff
         stats = self.actor.offload()
         h["perf/offload_time"], h["memory/train_rss_mb_offloaded"] = stats["seconds"], stats["rss"] / 2**20
         h["memory/train_offloaded_mb"] = stats["bytes"] / 2**20
-        h["perf/engine_resume_time"] = self._engine_memory("/resume_memory_occupation", ["kv_cache"])
-        h["memory/engine_rss_mb_resumed"] = offload.engines_rss_mb(self.engine_urls)
+        h.update(get(self.rollout.onload_kv.remote(), "engine memory resume", "RolloutManager", self.args.stage_timeout))
 
     def train(self, rollout_id: int, data_refs) -> dict[str, float]:
         start = time.perf_counter()
@@ -119,7 +104,8 @@ class Run:
             if self.args.use_fault_tolerance:  # never push into a half-restarted engine
                 ray.get(self.rollout.wait_for_engines.remote())
             if self._colocated():  # released weights come back before they are overwritten
-                self._engine_memory("/resume_memory_occupation", ["weights"])
+                get(self.rollout.onload_weights.remote(), "engine memory resume", "RolloutManager",
+                    self.args.stage_timeout)
             stats = self.actor.update_weights(self.engine_urls, weight_version=version) or {}
             self.handoff.update({f"weights/{k}": float(stats[k]) for k in ("buckets", "bytes") if k in stats})
             if self.args.check_weight_update_equal:

@@ -4,8 +4,8 @@ Every `--rollout-health-check-interval` seconds each admitted engine is checked:
 must be alive (asked of its `EngineServer` actor) and `GET /health` must answer within
 `--rollout-health-check-timeout` seconds. An engine that fails is
 
-1. taken out: out of `EnginePool.post_all` and removed from the router, so no new request
-   reaches it;
+1. taken out: out of the pool's calls on every engine (`slime.engines.fleet.EnginePool`) and
+   removed from the router, so no new request reaches it;
 2. restarted by its `EngineServer` (SIGKILL, then the same command on the same port, so the
    URLs the trainer pushes weights to stay valid);
 3. given the current weights (`give_weights(url, version)`: the rollout manager asks the
@@ -28,8 +28,9 @@ import logging
 import time
 from typing import Callable
 
-from slime.engines.client import EngineClient, EngineError, get_json
-from slime.engines.router import EnginePool, RouterAdmin
+import ray
+
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError
 from slime.utils.errors import RunFailure
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,10 @@ class EngineRestartError(RunFailure):
 
 
 class HealthMonitor:
-    """servers[i] is the `EngineServer` actor handle of the engine at urls[i]."""
+    """pool: the fleet's `EnginePool`; admin: its `RouterAdmin`; servers[i] is the `EngineServer` actor
+    handle of the engine at urls[i]."""
 
-    def __init__(self, pool: EnginePool, admin: RouterAdmin, servers: list, urls: list[str], interval: float,
+    def __init__(self, pool, admin, servers: list, urls: list[str], interval: float,
                  timeout: float, give_weights: Callable[[str, str], None], max_restarts: int = 10):
         self.pool = pool
         self.admin = admin
@@ -52,7 +54,7 @@ class HealthMonitor:
         self.timeout = timeout
         self.give_weights = give_weights
         self.max_restarts = max_restarts
-        self.clients = [EngineClient(u, timeout=timeout, connect_timeout=min(timeout, 10.0), max_retries=0)
+        self.clients = [AsyncEngineControl(u, timeout=timeout, connect_timeout=min(timeout, 10.0), max_retries=0)
                         for u in self.urls]
         self.versions: dict[str, str] = {}  # last weight version each engine reported on /health
         self.restarts = [0] * len(self.urls)  # per engine, whole run
@@ -64,8 +66,6 @@ class HealthMonitor:
     # ------------------------------------------------------------------ checks
     async def check(self, i: int) -> str | None:
         """None when engine i is healthy, else why not."""
-        import ray
-
         try:
             alive = await asyncio.to_thread(ray.get, self.servers[i].is_alive.remote(), timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - the actor itself is gone or stuck
@@ -73,7 +73,7 @@ class HealthMonitor:
         if not alive:
             return "its process exited"
         try:
-            body = await self.clients[i].get("/health")
+            body = await self.clients[i].health()
         except EngineError as e:
             return f"GET /health failed: {e}"
         if isinstance(body, dict) and body.get("weight_version") is not None:
@@ -87,7 +87,7 @@ class HealthMonitor:
             if other == url or other in self.pool.down:
                 continue
             try:
-                seen.append(str(get_json(other, "/get_weight_version", timeout=self.timeout)["weight_version"]))
+                seen.append(EngineControl(other, timeout=self.timeout).weight_version())
             except (EngineError, KeyError, TypeError):
                 continue
         if seen:
@@ -110,8 +110,6 @@ class HealthMonitor:
             await asyncio.to_thread(self.admin.remove, url)
         except EngineError as e:  # the router may already have dropped it; go on
             logger.warning("could not remove engine %s from the router: %s", url, e)
-        import ray
-
         try:
             await asyncio.to_thread(ray.get, self.servers[i].restart.remote())
         except Exception as e:  # noqa: BLE001

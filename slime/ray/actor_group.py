@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.arguments import cpu_threads
+from slime.utils.threads import cpu_threads
 from slime.training.actor import TrainActor
 from slime.ray.calls import first_line
 from slime.utils.errors import RunFailure, SlimeError

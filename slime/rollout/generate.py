@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import logging
 
-from slime.engines.router import EnginePool
 from slime.rollout.api import continue_sample
 from slime.rollout.rewards import RewardFunction
 from slime.types import Sample, SampleStatus
@@ -41,7 +40,7 @@ def sample_seed(seed: int, rollout_id: int, index: int, evaluation: bool = False
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
-async def generate(engines: EnginePool, sample: Sample, params: dict) -> Sample:
+async def generate(engines, sample: Sample, params: dict) -> Sample:
     """Continue `sample.tokens` (the prompt, and the partial response of a sample resumed after an
     abort) with one engine call and extend the response."""
     out = await continue_sample(sample, params, engines)

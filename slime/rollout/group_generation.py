@@ -87,10 +87,6 @@ async def generate_groups(runner: GroupRunner, groups: list[list[Sample]], rollo
     return list(await asyncio.gather(*(runner.group(g, rollout_id, evaluation) for g in groups)))
 
 
-async def abort_all(engines) -> None:
-    await engines.post_all("/abort_request", {"abort_all": True})
-
-
 async def generate_until(runner: GroupRunner, groups: list[list[Sample]], rollout_id: int, target: int,
                          keep: Callable[[list[Sample]], bool]):
     """Launch every group; keep completed groups that pass `keep` until `target` are kept, then abort
@@ -116,7 +112,7 @@ async def generate_until(runner: GroupRunner, groups: list[list[Sample]], rollou
                     dropped.append(g)
             if len(kept) >= target and pending and not aborted:
                 aborted = True
-                await abort_all(runner.engines)
+                await runner.engines.abort_all()
     finally:
         for task in pending:
             task.cancel()
@@ -197,4 +193,4 @@ class FullyAsyncGenerator:
             except (asyncio.CancelledError, Exception):
                 pass
             self._task = None
-            await abort_all(self.runner.engines)
+            await self.runner.engines.abort_all()

@@ -30,8 +30,8 @@ import torch
 from slime.algorithms.advantages import overlong_penalty, post_process_rewards
 from slime.data.dataset import load_prompts
 from slime.data.source import DataSource, RolloutDataSource, prompt_sample
-from slime.engines.launcher import EngineServer
-from slime.engines.router import EnginePool
+from slime.engines.fleet import EngineFleet
+from slime.engines.health import EngineRestartError
 from slime.rollout import api, debug_data, sft
 from slime.rollout.group_generation import FullyAsyncGenerator, GroupRunner, generate_groups, generate_until
 from slime.rollout.filters import as_filter_output
@@ -76,13 +76,14 @@ class RolloutManager:
     def __init__(self, args, placement=None):
         self.args = args
         self.placement = placement
-        self.servers: list = []
         self._progress = [0, 0]  # samples (done, launched) of the generate/eval call in flight
         self.weight_version: int | None = None  # the policy version the engines serve (set by the driver)
         self.stale = {"regenerated_samples": 0, "dropped_groups": 0}  # --max-staleness, over the whole run
         self.fully_async: FullyAsyncGenerator | None = None
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="rollout-loop", daemon=True).start()
+        self.fleet = EngineFleet(args, placement, self._loop)
+        self._trainer = None  # --use-fault-tolerance: gives a restarted engine the current weights
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -123,15 +124,9 @@ class RolloutManager:
         self.sample_filter = self._hook("rollout_sample_filter_path")
         self.eval_fn = self._hook("eval_function_path")
 
-        server_cls = ray.remote(num_cpus=0)(EngineServer)
-        for rank in range(args.num_engines):
-            opts = {}
-            if self.placement is not None:
-                opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
-            self.servers.append(server_cls.options(**opts).remote(args, rank))
-        self.urls = ray.get([s.start.remote() for s in self.servers])
         # --debug-train-only replays saved rollouts and starts no engines
-        self.engines = self._start_router() if self.urls else None
+        self.urls = self.fleet.start(self._give_weights) if args.num_engines else []
+        self.engines = self.fleet if self.urls else None
         api.set_context(api.RolloutContext(args, tokenizer, self.engines, self.urls[0] if self.urls else "",
                                            args.custom_config, loop=self._loop))
         return self.urls
@@ -184,7 +179,9 @@ class RolloutManager:
             metrics["rollout/removed_samples"] = float(sum(s.remove_sample for s in samples))
         metrics["perf/rollout_time"] = elapsed
         metrics["perf/rollout_tokens_per_s"] = sum(s.response_length for s in generated) / max(elapsed, 1e-9)
-        metrics.update(self.engine_restart_metrics())
+        restarts = self.fleet.take_restart_count()
+        if restarts is not None:
+            metrics["rollout/engine_restarts"] = float(restarts)
         return refs, metrics
 
     def _call(self, fn, *a, **kw):
@@ -322,11 +319,11 @@ class RolloutManager:
 
     def pause_generation(self) -> None:
         """--fully-async: hold every request in flight (in place) while the weights change."""
-        self._run(self.engines.post_all("/pause_generation", {}))
+        self._run(self.fleet.pause())
 
     def continue_generation(self, version: int) -> None:
         self.weight_version = version
-        self._run(self.engines.post_all("/continue_generation", {}))
+        self._run(self.fleet.continue_generation())
 
     def _staleness_metrics(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """How many policy versions each sample's oldest token lags the policy that trains on it
@@ -476,47 +473,12 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.fully_async is not None:
             self._run(self.fully_async.stop())
-        self._stop_health_monitor()
-        if getattr(self, "engines", None) is not None:
-            self._run(self.engines.close())
-        self._stop_router()
-        ray.get([s.shutdown.remote() for s in self.servers])
+        self.fleet.close()
 
     # ------------------------------------------------------- router, fault tolerance
-    def _start_router(self) -> EnginePool:
-        """Start sglang-router (or connect to --sglang-router-ip/port), register every engine with it,
-        and, with --use-fault-tolerance, start the health monitor. Returns the pool rollouts use."""
-        from pathlib import Path
-
-        from slime.engines.router import RouterAdmin, connect_router, start_router
-
-        args = self.args
-        log_path = Path(args.output_dir) / "logs" / "router.log"
-        self.router_process = None
-        if args.sglang_router_ip is not None:
-            url = connect_router(args.sglang_router_ip, args.sglang_router_port)
-        else:
-            self.router_process = start_router(log_path, args.rollout_request_timeout)
-            url = self.router_process.url
-        self.router = RouterAdmin(url, log_path=log_path if self.router_process else None)
-        for engine_url in self.urls:
-            self.router.add(engine_url, timeout=args.engine_startup_timeout)
-        pool = EnginePool(self.urls, timeout=args.rollout_request_timeout, router_url=url,
-                          concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance)
-        self._trainer = None
-        self.health_monitor = None
-        if args.use_fault_tolerance:
-            from slime.engines.health import HealthMonitor
-
-            self.health_monitor = HealthMonitor(
-                pool, self.router, self.servers, self.urls, args.rollout_health_check_interval,
-                args.rollout_health_check_timeout, self._give_weights)
-            self._monitor_future = asyncio.run_coroutine_threadsafe(self.health_monitor.run(), self._loop)
-        return pool
-
     def router_url(self) -> str | None:
         """The URL generation goes to (sglang-router in front of the engines)."""
-        return self.engines.router_url if getattr(self, "engines", None) is not None else None
+        return self.fleet.router_url
 
     def attach_trainer(self, trainer) -> None:
         """--use-fault-tolerance: the train group (slime.ray.actor_group.TrainGroup) that gives a
@@ -526,8 +488,6 @@ class RolloutManager:
     def _give_weights(self, url: str, version: str) -> None:
         """Called by the health monitor (in a worker thread) for a restarted engine at `url`."""
         if self._trainer is None:
-            from slime.engines.health import EngineRestartError
-
             raise EngineRestartError(
                 f"engine {url} was restarted but no trainer is attached to give it the current weights "
                 "(the driver calls rollout.attach_trainer.remote(actor) with --use-fault-tolerance)")
@@ -541,43 +501,29 @@ class RolloutManager:
         """--use-fault-tolerance: check every engine now and return once no restart is in progress
         (a restarted engine has its weights and is back in the router). The driver calls it before
         it pushes weights, so a push never meets an engine in the middle of a restart."""
-        if getattr(self, "health_monitor", None) is not None:
-            self._run(self.health_monitor.settle())
-
-    def engine_restart_metrics(self) -> dict[str, float]:
-        """{"rollout/engine_restarts": restarts since the last call} (empty without
-        --use-fault-tolerance); `generate` adds it to the rollout's metrics."""
-        if getattr(self, "health_monitor", None) is None:
-            return {}
-        return {"rollout/engine_restarts": float(self.health_monitor.take_restart_count())}
+        self._run(self.fleet.settle())
 
     def engine_restart_events(self) -> list[dict]:
         """Every restart of this run (rank, url, reason, weight_version, seconds)."""
-        return list(self.health_monitor.events) if getattr(self, "health_monitor", None) is not None else []
+        return self.fleet.restart_events
 
     def engine_pids(self) -> list[int | None]:
         """The engine processes' pids (tests kill them)."""
-        return ray.get([s.pid.remote() for s in self.servers])
+        return self.fleet.pids()
 
-    def _stop_health_monitor(self) -> None:
-        if getattr(self, "health_monitor", None) is None:
-            return
-        self._loop.call_soon_threadsafe(self.health_monitor.stop)
-        try:
-            self._monitor_future.result(timeout=30)
-        except Exception:  # noqa: BLE001 - shutting down
-            pass
-        self.health_monitor = None
+    # ------------------------------------------------------------ colocated memory hand-off
+    def offload(self) -> dict[str, float]:
+        """--colocate: the engines release their KV cache and weights for training."""
+        before = self.fleet.resident_memory_mb()
+        seconds = self.fleet.release_memory(["kv_cache", "weights"])
+        return {"memory/engine_rss_mb_serving": before, "perf/engine_release_time": seconds,
+                "memory/engine_rss_mb_released": self.fleet.resident_memory_mb()}
 
-    def _stop_router(self) -> None:
-        if getattr(self, "router", None) is None:
-            return
-        if getattr(self, "router_process", None) is not None:
-            self.router_process.stop()
-        else:  # an external router: do not leave our engines registered there
-            for url in self.urls:
-                try:
-                    self.router.remove(url, timeout=10)
-                except Exception:  # noqa: BLE001 - shutting down
-                    pass
-        self.router = None
+    def onload_weights(self) -> float:
+        """--colocate: the engines take their weights memory back (before a push overwrites it)."""
+        return self.fleet.resume_memory(["weights"])
+
+    def onload_kv(self) -> dict[str, float]:
+        """--colocate: the engines take their KV cache back for the next generation."""
+        seconds = self.fleet.resume_memory(["kv_cache"])
+        return {"perf/engine_resume_time": seconds, "memory/engine_rss_mb_resumed": self.fleet.resident_memory_mb()}

@@ -40,7 +40,7 @@ from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_sta
 from slime.algorithms.losses import (
     POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
-from slime.arguments import cpu_threads
+from slime.utils.threads import cpu_threads
 from slime.training.offload import resident
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError

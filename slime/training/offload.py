@@ -231,21 +231,3 @@ def resident(method=None, *, stay: bool = False):
             self.offload()
 
     return wrapper
-
-
-def engines_rss_mb(engine_urls: list[str]) -> float | None:
-    """Total resident memory (MiB) of the engine processes serving `engine_urls`, found by the
-    port they listen on; None when any of them is not a process on this host (another node)."""
-    from urllib.parse import urlparse
-
-    import psutil
-
-    ports = {urlparse(u).port for u in engine_urls}
-    pids = {c.laddr.port: c.pid for c in psutil.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
-    if set(pids) != ports:
-        return None
-    try:
-        return sum(rss_bytes(pid) for pid in set(pids.values())) / 2**20
-    except psutil.Error:
-        return None

@@ -12,42 +12,19 @@ import os
 # down by 10-100x. Must be set before torch is imported; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
+from aiohttp import web  # noqa: E402
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slime.engines.native", description=__doc__.strip().splitlines()[0])
-    p.add_argument("--model-path", required=True, help="Hugging Face model directory")
-    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--max-running-requests", type=int, default=128)
-    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens admitted per prefill step")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV cache budget in tokens (rows x padded length of the running batch); requests wait "
-                        "when admitting them could exceed it. Default: 30%% of free memory")
-    p.add_argument("--context-length", type=int, default=None, help="defaults to the config's max_position_embeddings")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS if set, else the usable CPU count)")
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--incremental-streaming-output", action="store_true",
-                   help="streamed /generate events carry only the text, output_ids and log-probs new since the "
-                        "previous event (SGLang's flag); default: cumulative")
-    p.add_argument("--log-level", default="warning")
-    return p
+from slime.engines.native.cli import build_parser  # noqa: E402
+from slime.engines.native.engine import NativeEngine  # noqa: E402
+from slime.engines.native.server import create_app  # noqa: E402
 
 
 async def _serve(args) -> None:
-    from aiohttp import web
-
-    from slime.engines.native.engine import NativeEngine
-    from slime.engines.native.server import create_app
-
     engine = NativeEngine(
         args.model_path,
         tokenizer_path=args.tokenizer_path,

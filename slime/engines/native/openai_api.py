@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from slime.engines.control import Route
+from slime.engines.native.http import ENGINE_KEY, submit
 from slime.engines.native.openai_stream import _finish_reason, parse_stream_options, stream_chat, stream_completions
 from slime.engines.protocol import (
     GenerateInput,
@@ -36,6 +38,7 @@ from slime.engines.protocol import (
     check_prompt,
     parse_sampling_params,
 )
+from slime.engines.serving import read_json
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
@@ -185,9 +188,7 @@ def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n:
 
 async def _run(engine, inputs: list[GenerateInput], num_prompts: int, n: int):
     """Run the inputs; results grouped [prompt][sample]."""
-    from slime.engines.native.server import _submit
-
-    futs = [_submit(engine, inp) for inp in inputs]
+    futs = [submit(engine, inp) for inp in inputs]
     try:
         results = await asyncio.gather(*futs)
     except asyncio.CancelledError:
@@ -204,8 +205,6 @@ def _usage(prompts, grouped) -> dict:
 
 
 def _model_name(request: web.Request, body: dict) -> str:
-    from slime.engines.native.server import ENGINE_KEY
-
     m = body.get("model")
     if m is not None and not isinstance(m, str):
         raise ProtocolError("model", "must be a string")
@@ -213,10 +212,8 @@ def _model_name(request: web.Request, body: dict) -> str:
 
 
 async def completions(request: web.Request) -> web.Response:
-    from slime.engines.native.server import ENGINE_KEY, _json_body
-
     engine = request.app[ENGINE_KEY]
-    body = _check_keys(await _json_body(request), _COMPLETION_KEYS)
+    body = _check_keys(await read_json(request), _COMPLETION_KEYS)
     stream, include_usage = parse_stream_options(body)
     if "prompt" not in body:
         raise ProtocolError("prompt", "is required")
@@ -253,10 +250,8 @@ async def completions(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.Response:
-    from slime.engines.native.server import ENGINE_KEY, _json_body
-
     engine = request.app[ENGINE_KEY]
-    body = _check_keys(await _json_body(request), _CHAT_KEYS)
+    body = _check_keys(await read_json(request), _CHAT_KEYS)
     stream, include_usage = parse_stream_options(body)
     sp, n = _sampling(body, "max_completion_tokens", None)
     lp = body.get("logprobs", False)
@@ -297,8 +292,6 @@ async def chat_completions(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    from slime.engines.native.server import ENGINE_KEY
-
     engine = request.app[ENGINE_KEY]
     return web.json_response({"object": "list", "data": [{
         "id": engine.model_path, "object": "model", "created": 0, "owned_by": "slime",
@@ -306,7 +299,8 @@ async def models(request: web.Request) -> web.Response:
     }]})
 
 
-def add_openai_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
+OPENAI_HANDLERS = {
+    Route.OPENAI_COMPLETIONS: completions,
+    Route.OPENAI_CHAT_COMPLETIONS: chat_completions,
+    Route.OPENAI_MODELS: models,
+}

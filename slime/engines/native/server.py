@@ -11,14 +11,20 @@ import asyncio
 import logging
 import time
 
+import torch
 from aiohttp import web
+from safetensors.torch import load
 
+from slime.engines.control import Route
 from slime.engines.native.engine import NativeEngine
+from slime.engines.native.http import ENGINE_KEY, INCREMENTAL_STREAM_KEY, submit
+from slime.engines.native.openai_api import OPENAI_HANDLERS
 from slime.engines.native.requests import GenerationResult
-from slime.engines.native.openai_api import add_openai_routes
 from slime.engines.native.streaming import pop_stream_flag, stream_generate
 from slime.engines.protocol import (
+    GenerateInput,
     ProtocolError,
+    SamplingParams,
     build_generate_response,
     check_prompt,
     error_body,
@@ -33,12 +39,9 @@ from slime.engines.protocol import (
     parse_update_weights_from_distributed,
     parse_weight_version,
 )
+from slime.engines.serving import add_routes, read_json
 
 logger = logging.getLogger(__name__)
-
-ENGINE_KEY = web.AppKey("engine", NativeEngine)
-INCREMENTAL_STREAM_KEY = web.AppKey("incremental_streaming_output", bool)
-
 
 @web.middleware
 async def _errors(request: web.Request, handler):
@@ -55,37 +58,6 @@ async def _errors(request: web.Request, handler):
     except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
         logger.exception("error serving %s", request.path)
         return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
-
-
-def _submit(engine: NativeEngine, inp) -> asyncio.Future:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def _set(res, err):
-        if fut.done():
-            return
-        if err is not None:
-            fut.set_exception(err)
-        else:
-            fut.set_result(res)
-
-    def cb(res, err):
-        try:
-            loop.call_soon_threadsafe(_set, res, err)
-        except RuntimeError:  # loop closed: nobody is waiting any more
-            pass
-
-    engine.submit(inp, cb)
-    return fut
-
-
-async def _json_body(request: web.Request, allow_empty: bool = False):
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise ProtocolError("body", "empty request body; expected a JSON object")
-    return parse_json_body(raw)
 
 
 def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
@@ -105,7 +77,7 @@ def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
 
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body = await _json_body(request)
+    body = await read_json(request)
     stream = pop_stream_flag(body)
     inputs, is_batch = parse_generate_request(body)
     for k, inp in enumerate(inputs):
@@ -119,7 +91,7 @@ async def generate(request: web.Request) -> web.Response:
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
     if stream:
         return await stream_generate(request, engine, inputs, is_batch, request.app[INCREMENTAL_STREAM_KEY])
-    futs = [_submit(engine, inp) for inp in inputs]
+    futs = [submit(engine, inp) for inp in inputs]
     try:
         results = await asyncio.gather(*futs)
     except asyncio.CancelledError:  # client went away: free the engine's rows
@@ -135,8 +107,6 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    from slime.engines.protocol import GenerateInput, SamplingParams
-
     engine = request.app[ENGINE_KEY]
     tok = engine.tokenizer.bos_token_id
     if tok is None or not (0 <= tok < engine.vocab_size):
@@ -147,7 +117,7 @@ async def health_generate(request: web.Request) -> web.Response:
         input_ids=[tok],
     )
     try:
-        await asyncio.wait_for(_submit(engine, inp), timeout=120)
+        await asyncio.wait_for(submit(engine, inp), timeout=120)
     except asyncio.TimeoutError:
         engine.abort(inp.rid)
         return web.json_response(error_body("health generation timed out"), status=503)
@@ -205,7 +175,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    rid, abort_all = parse_abort_request(await _json_body(request))
+    rid, abort_all = parse_abort_request(await read_json(request))
     n = request.app[ENGINE_KEY].abort(rid=rid, abort_all=abort_all)
     return web.json_response({"success": True, "num_aborted": n,
                               "weight_version": request.app[ENGINE_KEY].weight_version})
@@ -237,8 +207,6 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise ProtocolError("body", "empty body; expected safetensors bytes")
 
     def _load_and_apply():
-        from safetensors.torch import load
-
         try:
             tensors = load(data)
         except Exception as e:  # noqa: BLE001
@@ -254,14 +222,14 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    path, version = parse_update_weights_from_disk(await _json_body(request))
+    path, version = parse_update_weights_from_disk(await read_json(request))
     v = await asyncio.get_running_loop().run_in_executor(None, engine.update_weights_from_disk, path, version)
     return web.json_response({"success": True, "weight_version": v, "message": "Succeeded to update model weights."})
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    kw = parse_init_weights_update_group(await _json_body(request))
+    kw = parse_init_weights_update_group(await read_json(request))
     try:
         await asyncio.get_running_loop().run_in_executor(None, lambda: engine.init_weights_update_group(**kw))
     except ProtocolError:
@@ -276,10 +244,8 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
-    import torch
-
     engine = request.app[ENGINE_KEY]
-    kw = parse_update_weights_from_distributed(await _json_body(request))
+    kw = parse_update_weights_from_distributed(await read_json(request))
     if kw["group_name"] not in engine._groups:
         raise ProtocolError("group_name", f"no weight update group named {kw['group_name']!r}; "
                                           "call /init_weights_update_group first")
@@ -301,7 +267,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    name = parse_destroy_weights_update_group(await _json_body(request, allow_empty=True))
+    name = parse_destroy_weights_update_group(await read_json(request, allow_empty=True))
     if not engine.destroy_weights_update_group(name):
         raise ProtocolError("group_name", f"no weight update group named {name!r}")
     return web.json_response({"success": True, "message": f"destroyed {name!r}", "weight_version": engine.weight_version})
@@ -309,16 +275,38 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    tags = parse_memory_tags(await _json_body(request, allow_empty=True))
+    tags = parse_memory_tags(await read_json(request, allow_empty=True))
     released = await asyncio.get_running_loop().run_in_executor(None, engine.release_memory_occupation, tags)
     return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
 
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    tags = parse_memory_tags(await _json_body(request, allow_empty=True))
+    tags = parse_memory_tags(await read_json(request, allow_empty=True))
     released = await asyncio.get_running_loop().run_in_executor(None, engine.resume_memory_occupation, tags)
     return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
+
+
+HANDLERS = {
+    Route.GENERATE: generate,
+    Route.HEALTH: health,
+    Route.HEALTH_GENERATE: health_generate,
+    Route.GET_MODEL_INFO: get_model_info,
+    Route.GET_SERVER_INFO: get_server_info,
+    Route.GET_WEIGHT_VERSION: get_weight_version,
+    Route.WEIGHTS_CHECKSUM: weights_checksum,
+    Route.FLUSH_CACHE: flush_cache,
+    Route.ABORT_REQUEST: abort_request,
+    Route.PAUSE_GENERATION: pause_generation,
+    Route.CONTINUE_GENERATION: continue_generation,
+    Route.UPDATE_WEIGHTS_FROM_TENSOR: update_weights_from_tensor,
+    Route.UPDATE_WEIGHTS_FROM_DISK: update_weights_from_disk,
+    Route.INIT_WEIGHTS_UPDATE_GROUP: init_weights_update_group,
+    Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: update_weights_from_distributed,
+    Route.DESTROY_WEIGHTS_UPDATE_GROUP: destroy_weights_update_group,
+    Route.RELEASE_MEMORY_OCCUPATION: release_memory_occupation,
+    Route.RESUME_MEMORY_OCCUPATION: resume_memory_occupation,
+}
 
 
 def create_app(engine: NativeEngine, shutdown_engine: bool = True,
@@ -330,25 +318,7 @@ def create_app(engine: NativeEngine, shutdown_engine: bool = True,
     app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
     app[ENGINE_KEY] = engine
     app[INCREMENTAL_STREAM_KEY] = incremental_streaming_output
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
-    app.router.add_get("/get_weight_version", get_weight_version)
-    app.router.add_get("/weights_checksum", weights_checksum)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_post("/init_weights_update_group", init_weights_update_group)
-    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    app.router.add_post("/release_memory_occupation", release_memory_occupation)
-    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
-    add_openai_routes(app)
+    add_routes(app, {**HANDLERS, **OPENAI_HANDLERS})
     engine.start()
 
     if shutdown_engine:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import datetime
 
 import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
 
 
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -21,8 +24,6 @@ def new_group(master_address: str, master_port: int, rank: int, world_size: int,
 
     Returns (process group, store): `pg.broadcast(tensor, root).wait()`; keep the store alive.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
-
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and device is not None and device.type == "cuda":
@@ -40,8 +41,5 @@ def destroy_group(pg) -> None:
 
     `_new_process_group_helper` with no global ranks records no rank mapping, which torch's
     `destroy_process_group` expects to delete: give it an empty one first."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     c10d._world.pg_group_ranks.setdefault(pg, {})
     dist.destroy_process_group(pg)

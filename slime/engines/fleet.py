@@ -1,0 +1,278 @@
+"""The rollout side's engines as one object: servers, the router in front of them, the request pool,
+health checks and restarts.
+
+`EngineFleet(args, placement, loop)` lives in the RolloutManager. `start()` launches one
+`EngineServer` Ray actor per engine on its placement bundle (the command of the run's engine kind,
+`slime.engines.kinds`), starts sglang-router (or connects to `--sglang-router-ip/port`), registers
+every engine and, with `--use-fault-tolerance`, starts the health monitor. Then:
+
+- `await fleet.generate(payload)`: one `/generate` through the router, at most
+  `--sglang-server-concurrency` x engines in flight, retried under fault tolerance (`EnginePool`);
+  rollout and custom code reach the engines this way (`slime.rollout.api.context().engines`);
+- `await fleet.abort_all()`, `pause()`, `continue_generation()`: on every admitted engine;
+- `release_memory(tags)`, `resume_memory(tags)` (colocation; returns the seconds it took),
+  `resident_memory_mb()`;
+- `await fleet.settle()`: return once no restart is in progress; `take_restart_count()`,
+  `restart_events`, `pids()`;
+- `close()`: monitor, pool, router (or deregistration from an external one), engine processes.
+
+The trainer pushes weights to `fleet.urls` itself (`slime.training.weight_sync`); a restarted
+engine gets them through the `give_weights(url, version)` callback the fleet is started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlparse
+
+import psutil
+import ray
+
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, normalize_url
+from slime.engines.health import HealthMonitor
+from slime.engines.launcher import EngineServer
+from slime.engines.router import RouterAdmin, connect_router, start_router
+
+logger = logging.getLogger(__name__)
+
+FT_MAX_ATTEMPTS = 10  # tries of one request under --use-fault-tolerance
+
+
+def _retryable(e: EngineError) -> bool:
+    """A failure that a restarted engine or another engine can fix: no HTTP answer (connection
+    refused/reset; not a timeout, which means the request itself is too slow) or an HTTP 5xx."""
+    if e.status is None:
+        return "timed out after" not in str(e)
+    return e.status >= 500
+
+
+class EnginePool:
+    """The engines behind one router, as requests see them.
+
+    urls: the engines' own URLs (for the calls on every engine and fault tolerance); router_url:
+    where `generate` goes; concurrency: requests in flight per engine (the semaphore holds
+    concurrency x len(urls)); fault_tolerant: retry requests whose engine failed under them.
+    """
+
+    def __init__(self, urls: list[str], timeout: float, router_url: str, concurrency: int = 512,
+                 fault_tolerant: bool = False):
+        if not urls:
+            raise ValueError("EnginePool needs at least one engine URL")
+        self.urls = [normalize_url(u) for u in urls]
+        self.router_url = normalize_url(router_url)
+        self.limit = concurrency * len(self.urls)
+        self.fault_tolerant = fault_tolerant
+        self.router = AsyncEngineControl(self.router_url, timeout=timeout)
+        self.engines = {u: AsyncEngineControl(u, timeout=timeout) for u in self.urls}
+        self.down: set[str] = set()  # engines out of the router (being restarted)
+        self.fatal: BaseException | None = None  # set by the health monitor when it gives up
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.retries = 0
+        self._sem: asyncio.Semaphore | None = None
+        self._admitted: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _state(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._loop is not loop:  # made in the loop that runs the requests
+            self._loop = loop
+            self._sem = asyncio.Semaphore(self.limit)
+            self._admitted = asyncio.Event()
+            if len(self.down) < len(self.urls):
+                self._admitted.set()
+        return self._sem, self._admitted
+
+    async def generate(self, payload: dict) -> dict:
+        sem, admitted = self._state()
+        async with sem:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                return await self._generate(payload, admitted)
+            finally:
+                self.in_flight -= 1
+
+    async def _generate(self, payload: dict, admitted: asyncio.Event) -> dict:
+        attempt = 0
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            try:
+                return await self.router.generate(payload)
+            except EngineError as e:
+                attempt += 1
+                if not self.fault_tolerant or not _retryable(e) or attempt >= FT_MAX_ATTEMPTS:
+                    raise
+                self.retries += 1
+                logger.warning("request failed (%s); retrying through the router (attempt %d of %d)",
+                               e, attempt + 1, FT_MAX_ATTEMPTS)
+                # wait until some engine is admitted (the monitor restarts the dead one meanwhile)
+                await admitted.wait()
+                await asyncio.sleep(min(2.0, 0.25 * attempt))
+
+    async def on_each(self, call: Callable[[AsyncEngineControl], object]) -> list:
+        """`call(engine)` on every admitted engine, in order (an engine being restarted is skipped:
+        it gets fresh state when it comes back)."""
+        return [await call(self.engines[u]) for u in self.urls if u not in self.down]
+
+    def mark_down(self, url: str) -> None:
+        self.down.add(normalize_url(url))
+        if self._admitted is not None and len(self.down) == len(self.urls):
+            self._admitted.clear()
+
+    def mark_up(self, url: str) -> None:
+        self.down.discard(normalize_url(url))
+        if self._admitted is not None:
+            self._admitted.set()
+
+    def fail(self, err: BaseException) -> None:
+        """The monitor gave up: every waiting and future request raises `err`."""
+        self.fatal = err
+        if self._admitted is not None:
+            self._admitted.set()
+
+    async def close(self) -> None:
+        await self.router.close()
+        for c in self.engines.values():
+            await c.close()
+
+
+class EngineFleet:
+    """The run's engines (see the module docstring). `placement` is a `slime.ray.placement.Placement`
+    (or None: Ray schedules the engine actors anywhere); `loop` the rollout's event loop, on which
+    the pool's requests and the health monitor run."""
+
+    def __init__(self, args, placement, loop: asyncio.AbstractEventLoop):
+        self.args = args
+        self.placement = placement
+        self.loop = loop
+        self.servers: list = []
+        self.urls: list[str] = []
+        self.pool: EnginePool | None = None
+        self.router = None  # RouterAdmin
+        self.router_process = None  # the sglang-router slime started (None: an external one)
+        self.monitor: HealthMonitor | None = None
+        self._monitor_future = None
+
+    # ------------------------------------------------------------ start / stop
+    def start(self, give_weights: Callable[[str, str], None]) -> list[str]:
+        """Launch the engines, the router and (with --use-fault-tolerance) the health monitor;
+        returns the engine URLs. `give_weights(url, version)` hands a restarted engine the weights."""
+        args = self.args
+        server_cls = ray.remote(num_cpus=0)(EngineServer)
+        for rank in range(args.num_engines):
+            opts = {}
+            if self.placement is not None:
+                opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
+            self.servers.append(server_cls.options(**opts).remote(args, rank))
+        self.urls = ray.get([s.start.remote() for s in self.servers])
+        log_path = Path(args.output_dir) / "logs" / "router.log"
+        if args.sglang_router_ip is not None:
+            router_url = connect_router(args.sglang_router_ip, args.sglang_router_port)
+        else:
+            self.router_process = start_router(log_path, args.rollout_request_timeout)
+            router_url = self.router_process.url
+        self.router = RouterAdmin(router_url, log_path=log_path if self.router_process else None)
+        for url in self.urls:
+            self.router.add(url, timeout=args.engine_startup_timeout)
+        self.pool = EnginePool(self.urls, timeout=args.rollout_request_timeout, router_url=router_url,
+                               concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance)
+        if args.use_fault_tolerance:
+            self.monitor = HealthMonitor(self.pool, self.router, self.servers, self.urls,
+                                         args.rollout_health_check_interval, args.rollout_health_check_timeout,
+                                         give_weights)
+            self._monitor_future = asyncio.run_coroutine_threadsafe(self.monitor.run(), self.loop)
+        return self.urls
+
+    @property
+    def router_url(self) -> str | None:
+        return self.pool.router_url if self.pool is not None else None
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.loop.call_soon_threadsafe(self.monitor.stop)
+            try:
+                self._monitor_future.result(timeout=30)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass
+            self.monitor = None
+        if self.pool is not None:
+            asyncio.run_coroutine_threadsafe(self.pool.close(), self.loop).result(timeout=30)
+            self.pool = None
+        if self.router_process is not None:
+            self.router_process.stop()
+        elif self.router is not None:  # an external router: do not leave our engines registered there
+            for url in self.urls:
+                try:
+                    self.router.remove(url, timeout=10)
+                except Exception:  # noqa: BLE001 - shutting down
+                    pass
+        self.router = self.router_process = None
+        ray.get([s.shutdown.remote() for s in self.servers])
+        self.servers = []
+
+    # ------------------------------------------------------------ generation (on the rollout loop)
+    async def generate(self, payload: dict) -> dict:
+        """One `/generate` through the router (SGLang-native payload and answer)."""
+        return await self.pool.generate(payload)
+
+    async def abort_all(self) -> None:
+        await self.pool.on_each(lambda e: e.abort())
+
+    async def pause(self) -> None:
+        """Hold every request in flight (in place) while the weights change."""
+        await self.pool.on_each(lambda e: e.pause())
+
+    async def continue_generation(self) -> None:
+        await self.pool.on_each(lambda e: e.continue_generation())
+
+    # ------------------------------------------------------------ memory (blocking)
+    def _each_engine(self, call: Callable[[EngineControl], object]) -> float:
+        """`call` on every engine at once (blocking); the seconds it took."""
+        start = time.perf_counter()
+        timeout = self.args.stage_timeout or 600.0
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            list(pool.map(lambda u: call(EngineControl(u, timeout=timeout)), self.urls))
+        return time.perf_counter() - start
+
+    def release_memory(self, tags: list[str] | None) -> float:
+        return self._each_engine(lambda e: e.release_memory(tags))
+
+    def resume_memory(self, tags: list[str] | None) -> float:
+        return self._each_engine(lambda e: e.resume_memory(tags))
+
+    def resident_memory_mb(self) -> float | None:
+        """Total resident memory (MiB) of the engine processes, found by the port they listen on;
+        None when any of them is not a process on this host (another node)."""
+        ports = {urlparse(u).port for u in self.urls}
+        pids = {c.laddr.port: c.pid for c in psutil.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid}
+        if set(pids) != ports:
+            return None
+        try:
+            return sum(psutil.Process(pid).memory_info().rss for pid in set(pids.values())) / 2**20
+        except psutil.Error:
+            return None
+
+    # ------------------------------------------------------------ fault tolerance
+    async def settle(self) -> None:
+        """--use-fault-tolerance: check every engine now and return once no restart is in progress."""
+        if self.monitor is not None:
+            await self.monitor.settle()
+
+    def take_restart_count(self) -> int | None:
+        """Restarts begun since the last call (None without --use-fault-tolerance)."""
+        return self.monitor.take_restart_count() if self.monitor is not None else None
+
+    @property
+    def restart_events(self) -> list[dict]:
+        return list(self.monitor.events) if self.monitor is not None else []
+
+    def pids(self) -> list[int | None]:
+        return ray.get([s.pid.remote() for s in self.servers])

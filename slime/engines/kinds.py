@@ -1,0 +1,114 @@
+"""The engine kinds slime runs, each declared once: `--rollout-backend native | sglang | vllm`.
+
+An `EngineKind` says everything that differs between them:
+- `command(args, rank, host, port)`: the server command line of engine `rank`, with the kind's
+  pass-through flags (`--sglang-*`, `--vllm-*`; `slime.engines.passthrough`) forwarded by its rule;
+- `check(args)`: the parse-time checks (installed, pass-through flags valid), run by
+  `slime.argument_checks.validate_engines` before anything starts;
+- `update_weights_modes` and `default_update_weights_mode(colocate)`: how weights may reach it
+  (`--update-weights-mode`; `auto` resolves here) and `weight_group_ranks(args)`: how many ranks one
+  engine joins a broadcast group with; `weight_update_sessions`: SGLang's begin/end around a push.
+
+Nothing else in slime branches on the engine kind: code asks `engine_kind(args)`.
+"""
+
+from __future__ import annotations
+
+from slime.engines.native.cli import native_command
+from slime.engines.sglang import check_sglang_args, sglang_command
+from slime.engines.vllm.launch import check_vllm_args, vllm_command
+from slime.utils.errors import SlimeConfigError
+
+UPDATE_WEIGHTS_MODES = ("auto", "tensor", "distributed", "disk")
+
+
+class EngineKind:
+    name: str = ""
+    update_weights_modes: tuple[str, ...] = ("tensor", "distributed")
+    weight_update_sessions = False
+
+    def command(self, args, rank: int, host: str, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def check(self, args) -> None:
+        """Parse-time checks of the kind's own flags; raises SlimeConfigError naming the flag."""
+
+    def default_update_weights_mode(self, colocate: bool) -> str:
+        """What `--update-weights-mode auto` means: a broadcast group for engines on their own
+        devices; with --colocate, what the kind takes from a process on the same device."""
+        return "tensor" if colocate else "distributed"
+
+    def resolve_update_weights_mode(self, mode: str, colocate: bool) -> str:
+        mode = self.default_update_weights_mode(colocate) if mode == "auto" else mode
+        if mode not in self.update_weights_modes:
+            raise SlimeConfigError(self.unsupported_mode_message(mode))
+        return mode
+
+    def unsupported_mode_message(self, mode: str) -> str:
+        return (f"--update-weights-mode {mode} needs --rollout-backend native (SGLang and vLLM load whole model "
+                f"directories from disk); use {' or '.join(self.update_weights_modes)}")
+
+    def weight_group_ranks(self, args) -> int:
+        """Ranks each engine joins the trainer's broadcast group with (one per tensor-parallel worker)."""
+        return 1
+
+
+class NativeKind(EngineKind):
+    """The embedded PyTorch engine: `python -m slime.engines.native`."""
+
+    name = "native"
+    update_weights_modes = ("tensor", "distributed", "disk")
+
+    def command(self, args, rank, host, port):
+        return native_command(args, rank, host, port)
+
+    def default_update_weights_mode(self, colocate):
+        return "disk" if colocate else "distributed"  # colocated: same host, bytes through /dev/shm
+
+
+class SGLangKind(EngineKind):
+    """`python -m sglang.launch_server` with every `--sglang-*` flag, checked by SGLang's own parser."""
+
+    name = "sglang"
+    update_weights_modes = ("distributed",)
+    weight_update_sessions = True  # SGLang >= 0.5.23 refuses weight updates outside one
+
+    def command(self, args, rank, host, port):
+        return sglang_command(args, rank, host, port)
+
+    def check(self, args):
+        check_sglang_args(args)
+
+    def default_update_weights_mode(self, colocate):
+        return "distributed"
+
+    def unsupported_mode_message(self, mode):
+        # its /update_weights_from_tensor wants CUDA-IPC handles (not implemented here)
+        return ("--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its "
+                "own GPUs; colocated SGLang (CUDA-IPC tensor updates) is not implemented, so drop --colocate")
+
+    def weight_group_ranks(self, args):
+        return args.rollout_num_gpus_per_engine
+
+
+class VllmKind(EngineKind):
+    """vLLM's OpenAI server (its own venv) behind slime's protocol adapter."""
+
+    name = "vllm"
+
+    def command(self, args, rank, host, port):
+        return vllm_command(args, rank, host, port)
+
+    def check(self, args):
+        check_vllm_args(args)  # the venv exists, no --vllm-* flag overrides a managed one
+
+    def weight_group_ranks(self, args):  # --vllm-tensor-parallel-size, else the engine's devices
+        return int(args.vllm_args.get("tensor_parallel_size", args.rollout_num_gpus_per_engine))
+
+
+KINDS: dict[str, EngineKind] = {k.name: k for k in (NativeKind(), SGLangKind(), VllmKind())}
+
+
+def engine_kind(args) -> EngineKind:
+    """The kind of the run's engines (`--rollout-backend`)."""
+    return KINDS[args.rollout_backend]

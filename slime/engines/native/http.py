@@ -1,0 +1,36 @@
+"""What the native engine's HTTP handlers share: the app key that holds the engine, and submitting a
+request to the engine's worker thread as an awaitable."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from slime.engines.native.engine import NativeEngine
+
+ENGINE_KEY = web.AppKey("engine", NativeEngine)
+INCREMENTAL_STREAM_KEY = web.AppKey("incremental_streaming_output", bool)
+
+
+def submit(engine: NativeEngine, inp) -> asyncio.Future:
+    """Queue `inp` on the engine; the future resolves (on this loop) with its GenerationResult."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def _set(res, err):
+        if fut.done():
+            return
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(res)
+
+    def cb(res, err):
+        try:
+            loop.call_soon_threadsafe(_set, res, err)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            pass
+
+    engine.submit(inp, cb)
+    return fut

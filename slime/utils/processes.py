@@ -1,0 +1,46 @@
+"""Child processes slime starts (engines, the router, vLLM behind its adapter): they die with their
+owner and are stopped as a whole process group."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child: get SIGKILL when the owning process dies (Linux), so a server never
+    outlives a crashed run. A no-op where prctl is missing."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def stop_process_group(process: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM the process group of `process` (started with `start_new_session=True`), SIGKILL it
+    after `timeout` seconds; a process that already exited is left alone."""
+    if process is None or process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
+
+
+def kill_process_group(process: subprocess.Popen | None, timeout: float = 30.0) -> None:
+    """SIGKILL the whole group at once (a hung or stopped server may ignore SIGTERM) and reap it."""
+    if process is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=timeout)
