@@ -3,7 +3,8 @@ import pickle
 
 import pytest
 
-from slime.arguments import cpu_threads, parse_args
+from slime.arguments import parse_args
+from slime.utils.threads import cpu_threads
 from slime.utils.errors import SlimeConfigError
 
 
