@@ -5,11 +5,13 @@ ranks, resume from `--load`, metrics) and offers the loop's steps by name: `gene
 `push_weights`, `finish_rollout` (log, save, evaluate). The drivers stay a readable loop.
 
 With `--colocate` the engines and the train ranks share devices and take turns with the memory
-(docs/cluster.md): `train` first has the engines release their KV cache and weights and the
-ranks take their state back (`before_train`); `push_weights` brings the engines' weights back,
-pushes the new ones, offloads the ranks and then gives the engines their KV cache again
-(`before_generate`), so the next generation runs with the trainer offloaded. The memory each
-side holds at every turn is measured and logged (`memory/*`, `perf/*load*`).
+(docs/cluster.md): `train` first has the engines release their KV cache and weights
+(`rollout.offload`) and the ranks take their state back (`before_train`); `push_weights` brings
+the engines' weights back (`rollout.onload_weights`), pushes the new ones, offloads the ranks and
+then gives the engines their KV cache again (`rollout.onload_kv`, in `before_generate`), so the
+next generation runs with the trainer offloaded. The memory each side holds at every turn is
+measured and logged (`memory/*`, `perf/*load*`). The driver talks to engines only through such
+named calls of the RolloutManager; it imports nothing from `slime.engines`.
 """
 
 from __future__ import annotations

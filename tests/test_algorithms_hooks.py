@@ -7,6 +7,8 @@ import textwrap
 import pytest
 import torch
 
+from slime.rollout.metrics import rollout_metrics
+from slime.rollout.train_data import to_train_batch
 from slime.types import Sample, SampleStatus
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
@@ -112,51 +114,51 @@ def test_custom_loss_and_custom_advantage_are_used_by_the_trainer(tiny_model_dir
 # ---------------------------------------------------------------- rollout hooks
 
 
-class _Source:
-    """A data source (the get_samples contract) whose prompt p has label p."""
+ROLLOUT = '''
+from slime.types import Sample
 
-    def __init__(self, n_samples: int = 2):
-        self.next = 0
-        self.n_samples = n_samples
-
+class Source:
+    """A data source (the get_samples contract) whose prompt p has label p and ends in token 10 + p."""
+    def __init__(self, args):
+        self.args, self.next = args, 0
     def get_samples(self, num_groups):
-        out = [[Sample(prompt=f"p{self.next + i}", label=self.next + i, tokens=[1, 2])
-                for _ in range(self.n_samples)] for i in range(num_groups)]
+        out = [[Sample(prompt=f"p{self.next + i}", label=self.next + i, tokens=[1, 2, 10 + self.next + i])
+                for _ in range(self.args.n_samples_per_prompt)] for i in range(num_groups)]
         self.next += num_groups
         return out
+    def add_samples(self, groups):
+        pass
+    def state_dict(self):
+        return {"next": self.next}
+    def load_state_dict(self, state):
+        self.next = state["next"]
+
+def label_rule(args, sample):
+    """1 when p is even, else 0 (1 for the first sample of the group when p % 4 == 1)."""
+    p = sample.label
+    return 1.0 if p % 2 == 0 or (p % 4 == 1 and sample.index % args.n_samples_per_prompt == 0) else 0.0
+'''
+
+
+def _answer(payload):
+    """Prompt p (its last token is 10 + p) gets a response of p % 3 + 1 tokens."""
+    p = payload["input_ids"][-1] - 10
+    return "x", [5] * (p % 3 + 1), "stop", None
 
 
 def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra):
-    """A RolloutManager without engines: generation gives prompt p (label p) responses of p % 3 + 1 tokens,
-    all with reward 1 when p is even, else 0 (1 for the first sample when p % 4 == 1)."""
-    import slime.rollout.manager as manager_mod
-    from test_fsdp_trainer import make_args
+    """A RolloutManager with scripted engines (see `_answer`), the data source and reward of ROLLOUT."""
+    from slime.rollout.manager import RolloutManager
+    from tests.helpers.args import make_args
+    from tests.helpers.rollout import ScriptedFleet
 
-    async def fake_generate_all(args, engines, reward, groups, rollout_id, evaluation, progress=None,
-                                generate_fn=None, version_now=None):
-        samples = [s for g in groups for s in g]
-        if progress is not None:  # the real one's contract: (done, launched) counts
-            progress[0] += len(samples)
-            progress[1] += len(samples)
-        for s in samples:
-            p = s.label
-            s.response_length = p % 3 + 1
-            s.tokens = s.tokens + [5] * s.response_length
-            s.loss_mask = [1] * s.response_length
-            s.rollout_log_probs = [-1.0] * s.response_length
-            s.reward = 1.0 if p % 2 == 0 or (p % 4 == 1 and s.index % args.n_samples_per_prompt == 0) else 0.0
-            s.status = SampleStatus.COMPLETED
-        return groups
-
-    monkeypatch.setattr(manager_mod, "_generate_all", fake_generate_all)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args = make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2, *extra)
-    m = manager_mod.RolloutManager(args)
-    m.data_source, m.engines, m.reward, m.generate_fn = _Source(), None, None, None
-    m.dynamic_filter = m._hook("dynamic_sampling_filter_path")
-    m.reward_post_process = m._hook("custom_reward_post_process_path")
-    m.sample_filter = m._hook("rollout_sample_filter_path")
-    m.rollout_fn = m._hook("rollout_function_path")
+    (tmp_path / "rollout_hooks.py").write_text(ROLLOUT)
+    args = make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2,
+                     "--data-source-path", f"{tmp_path / 'rollout_hooks.py'}:Source",
+                     "--custom-rm-path", f"{tmp_path / 'rollout_hooks.py'}:label_rule", *extra)
+    m = RolloutManager(args, fleet=ScriptedFleet(_answer))
+    m.init()
     return m
 
 
@@ -164,7 +166,8 @@ def test_dynamic_sampling_over_samples_until_enough_groups_are_kept(tiny_model_d
                                                                    hook_module):
     m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 4, "--over-sampling-batch-size", 6,
                  "--global-batch-size", 8, "--dynamic-sampling-filter-path", f"{hook_module}.keep_if_any_correct")
-    samples, generated, metrics = m._sample_groups(0)
+    rollout = m.sampler.sample(0)
+    samples, generated, metrics = rollout.samples, rollout.generated, rollout.metrics
     # prompts 0..5 keep 0, 1, 2, 4, 5 (3 is all wrong) -> 5 >= 4 in one round; the first 4 kept are 0, 1, 2, 4
     assert [s.label for s in samples] == [0, 0, 1, 1, 2, 2, 4, 4]
     assert len(generated) == 12
@@ -178,7 +181,8 @@ def test_dynamic_sampling_launches_more_rounds_and_falls_back(tiny_model_dir, tm
     flt = "slime.rollout.filters.check_reward_nonzero_std"
     m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 2, "--global-batch-size", 4,
                  "--dynamic-sampling-filter-path", flt)
-    samples, generated, metrics = m._sample_groups(0)
+    rollout = m.sampler.sample(0)
+    samples, generated, metrics = rollout.samples, rollout.generated, rollout.metrics
     # only p % 4 == 1 groups have nonzero std: rounds of 2 prompts -> p=1 in round 1, p=5 in round 3
     assert [s.label for s in samples] == [1, 1, 5, 5]
     assert metrics["rollout/dynamic_filter/rounds"] == 3.0
@@ -186,7 +190,8 @@ def test_dynamic_sampling_launches_more_rounds_and_falls_back(tiny_model_dir, tm
     assert len({s.group_index for s in generated}) == 6
     m2 = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 2, "--global-batch-size", 4,
                   "--dynamic-sampling-filter-path", flt, "--dynamic-sampling-max-rounds", 1)
-    samples, _, metrics = m2._sample_groups(0)
+    rollout = m2.sampler.sample(0)
+    samples, metrics = rollout.samples, rollout.metrics
     assert [s.label for s in samples] == [0, 0, 1, 1]  # one kept (p=1), one rejected group fills the batch
     assert metrics["rollout/dynamic_filter/fallback_groups"] == 1.0
 
@@ -194,8 +199,8 @@ def test_dynamic_sampling_launches_more_rounds_and_falls_back(tiny_model_dir, tm
 def test_reward_post_process_hook_and_overlong_penalty(tiny_model_dir, tmp_path, monkeypatch, hook_module):
     m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
                  "--custom-reward-post-process-path", f"{hook_module}.reward_is_length")
-    samples, _, _ = m._sample_groups(0)
-    batch = m._to_train_batch(samples)
+    samples = m.sampler.sample(0).samples
+    batch = to_train_batch(m.args, samples, m.ext.reward_post_process)
     assert batch.rewards == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
     assert batch.raw_rewards == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
 
@@ -204,7 +209,7 @@ def test_reward_post_process_hook_and_overlong_penalty(tiny_model_dir, tmp_path,
     m = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
                  "--advantage-estimator", "reinforce_plus_plus", "--rollout-max-response-len", 3,
                  "--overlong-buffer-len", 2)
-    batch = m._to_train_batch(m._sample_groups(0)[0])
+    batch = to_train_batch(m.args, m.sampler.sample(0).samples, m.ext.reward_post_process)
     assert batch.rewards == [1.0, 1.0, 0.5, -0.5, 0.0, 0.0]
 
 
@@ -236,32 +241,28 @@ def test_algorithm_flags_derived_values_and_errors(tiny_model_dir, tmp_path):
 def test_overlong_filtering_masks_truncated_samples_and_counts_them(tiny_model_dir, tmp_path, monkeypatch):
     m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
                  "--mask-truncated-samples")
-    samples, _, _ = m._sample_groups(0)
+    samples = m.sampler.sample(0).samples
     samples[1].status = samples[3].status = SampleStatus.TRUNCATED
-    batch = m._to_train_batch(samples)
+    batch = to_train_batch(m.args, samples, None)
     assert [sum(x) for x in batch.loss_masks] == [1, 0, 2, 0, 3, 3]
     # still rewarded (and normalized with its group); only its loss is dropped
     assert batch.rewards[3] == pytest.approx(-0.7071, abs=1e-4)
     m2 = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6)
-    assert [sum(x) for x in m2._to_train_batch(samples).loss_masks] == [1, 1, 2, 2, 3, 3]
-    monkeypatch.setattr("ray.put", lambda x: x)
-    monkeypatch.setattr(m, "_sample_groups", lambda rid: (samples, samples, {}))
-    _, metrics = m.generate(0)
-    assert metrics["rollout/overlong_filtered"] == 2.0
+    assert [sum(x) for x in to_train_batch(m2.args, samples, None).loss_masks] == [1, 1, 2, 2, 3, 3]
+    assert rollout_metrics(m.args, samples, samples, 1.0, False)["rollout/overlong_filtered"] == 2.0
 
 
-def test_dict_rewards_need_reward_key_and_log_every_entry():
+def test_dict_rewards_need_reward_key_and_log_every_entry(tiny_model_dir, tmp_path):
     import asyncio
-    from types import SimpleNamespace
 
     from slime.rollout.generate import score
-    from slime.rollout.manager import RolloutManager
     from slime.rollout.rewards import RewardFunction
+    from tests.helpers.args import make_args
 
     rm = RewardFunction(lambda args, s: {"acc": float(s.response == s.label), "format": 0.5})
 
     def args(key=None):
-        return SimpleNamespace(rm_timeout=5.0, reward_key=key)
+        return make_args(tiny_model_dir, tmp_path, "--rm-timeout", 5, *(["--reward-key", key] if key else []))
 
     def sample(response, label):
         return Sample(response=response, label=label, index=0, status=SampleStatus.COMPLETED)
@@ -277,7 +278,7 @@ def test_dict_rewards_need_reward_key_and_log_every_entry():
     samples = [asyncio.run(score(rm, args("acc"), sample(r, "1"))) for r in ("1", "2", "1", "0")]
     for i, x in enumerate(samples):
         x.group_index, x.response_length = i // 2, 1
-    metrics = RolloutManager._rollout_metrics(samples)
+    metrics = rollout_metrics(args(), samples, samples, 1.0, False)
     assert metrics["rollout/raw_reward"] == 0.5
     assert metrics["rollout/reward/acc"] == 0.5 and metrics["rollout/reward/format"] == 0.5
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from slime.arguments import parse_args
 from slime.rollout.group_generation import FullyAsyncGenerator, GroupRunner, generate_until
 from slime.rollout.rewards import RewardFunction
 from slime.types import Sample, SampleStatus
+from tests.helpers.args import make_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,18 +44,13 @@ class FakeEngines:
                 "meta_info": {"finish_reason": {"type": finish}, "weight_version": self.version,
                               "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
 
-    async def post_all(self, path, json=None):
-        assert path == "/abort_request" and json == {"abort_all": True}
+    async def abort_all(self):
         self.aborted.set()
-        return [{"success": True}]
 
 
 def _args(tiny_model_dir, tmp_path, *extra):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"input": "x"}\n')
-    return parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(prompts), "--num-rollout", "1",
-                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "6",
-                       "--output-dir", str(tmp_path / "o"), *map(str, extra)])
+    return make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--n-samples-per-prompt", 2,
+                     "--rollout-max-response-len", 6, *extra, data='{"input": "x"}\n')
 
 
 def _groups(prompt_tokens, n=2):
@@ -102,29 +97,31 @@ def test_over_sampling_keeps_the_first_complete_groups_and_aborts_the_rest(tiny_
 
 def test_stale_partial_samples_start_over(tiny_model_dir, tmp_path):
     from slime.rollout.manager import RolloutManager
+    from slime.rollout.metrics import staleness_metrics
+    from slime.rollout.sampling import Staleness
 
-    m = RolloutManager(_args(tiny_model_dir, tmp_path, "--max-staleness", 1))
-    m.data_source = None
+    staleness = Staleness(max_staleness=1)
     s = Sample(tokens=[1, 2], prompt="p")
     s.append_model_tokens([5, 6], [-1.0, -1.0])
     s.weight_versions, s.status = [2], SampleStatus.ABORTED
     fresh = Sample(tokens=[1, 2])
     fresh.append_model_tokens([5], [-1.0])
     fresh.weight_versions, fresh.status = [3], SampleStatus.ABORTED
-    m._fresh_enough([[s, fresh]], rollout_id=4)
+    staleness.refresh([[s, fresh]], rollout_id=4)
     assert s.tokens == [1, 2] and s.response_length == 0 and s.status == SampleStatus.PENDING
     assert s.weight_versions == [] and s.loss_mask is None
     assert fresh.response_length == 1  # lag 1 <= bound: kept
-    assert m.stale["regenerated_samples"] == 1
-    metrics = m._staleness_metrics([fresh, Sample(weight_versions=[4]), Sample(weight_versions=[4])], 4)
+    assert staleness.counts["regenerated_samples"] == 1
+    metrics = staleness_metrics([fresh, Sample(weight_versions=[4]), Sample(weight_versions=[4])], 4, staleness.counts)
     assert metrics["rollout/staleness/mean"] == pytest.approx(1 / 3) and metrics["rollout/staleness/max"] == 1.0
     assert metrics["rollout/staleness/count_0"] == 2.0 and metrics["rollout/staleness/count_1"] == 1.0
-    # the counters are part of the saved state
+    # the counters are part of the manager's saved state
+    m = RolloutManager(_args(tiny_model_dir, tmp_path, "--max-staleness", 1))
+    m.staleness.counts["regenerated_samples"] = 1
     state = m.state_dict()
     m2 = RolloutManager(_args(tiny_model_dir, tmp_path, "--max-staleness", 1))
-    m2.data_source = None
     m2.load_state_dict(state)
-    assert m2.stale == {"regenerated_samples": 1, "dropped_groups": 0}
+    assert m2.staleness.counts == {"regenerated_samples": 1, "dropped_groups": 0}
 
 
 def test_fully_async_generator_bounds_groups_in_flight(tiny_model_dir, tmp_path):

@@ -5,7 +5,6 @@ sample filters and batch fitting. No engines: generation is faked where needed."
 import asyncio
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -15,14 +14,13 @@ from slime.rollout.generate import score, score_group
 from slime.rollout.rewards import RewardFunction
 from slime.types import Sample, SampleStatus
 from slime.utils.errors import DataError, SlimeConfigError
+from tests.helpers.args import make_args
+from tests.helpers.rollout import ScriptedFleet
 
 
 def _args(model_dir, tmp_path, *extra, data='{"input": "1 + 1", "label": "2"}\n'):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(data)
-    return parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-rollout", "1",
-                       "--rollout-batch-size", "1", "--label-key", "label", "--output-dir", str(tmp_path / "out"),
-                       *map(str, extra)])
+    (tmp_path / "prompts.jsonl").write_text(data)
+    return make_args(model_dir, tmp_path, "--label-key", "label", *extra)
 
 
 # ------------------------------------------------------------------------- remote reward
@@ -68,11 +66,11 @@ async def _with_server(fn):
         await runner.cleanup()
 
 
-def test_remote_reward_retries_then_fails_the_sample_never_scores_zero():
+def test_remote_reward_retries_then_fails_the_sample_never_scores_zero(tiny_model_dir, tmp_path):
     from slime.rollout.rewards.remote import RemoteReward
 
     def args(key=None):
-        return SimpleNamespace(rm_timeout=10.0, reward_key=key)
+        return _args(tiny_model_dir, tmp_path, "--rm-timeout", 10, *(["--reward-key", key] if key else []))
 
     async def run(url, server):
         def rm(path, timeout=10.0, retries=2):
@@ -114,8 +112,8 @@ def test_rm_flags(tiny_model_dir, tmp_path):
             _args(tiny_model_dir, tmp_path, *extra)
 
 
-def test_group_reward_and_sync_or_async_functions():
-    args = SimpleNamespace(rm_timeout=5.0, reward_key=None)
+def test_group_reward_and_sync_or_async_functions(tiny_model_dir, tmp_path):
+    args = _args(tiny_model_dir, tmp_path, "--rm-timeout", 5)
 
     async def by_rank(args, samples):
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].response))
@@ -264,39 +262,40 @@ def test_data_buffer_is_served_first_through_the_buffer_filter(tiny_model_dir, t
 
 
 def test_pass_at_k():
-    from slime.rollout.manager import pass_at_k
+    from slime.rollout.metrics import pass_at_k
 
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
 
 
-def _fake_manager(tiny_model_dir, tmp_path, monkeypatch, *extra, data=None, rewards=None):
-    """A RolloutManager without engines whose generation answers `rewards[i]` for sample i of a group."""
-    import slime.rollout.manager as manager_mod
+REWARD_BY_POSITION = [1.0, 0.0, 0.0, 0.0]
 
-    async def fake_generate_all(args, engines, reward, groups, rollout_id, evaluation, progress=None,
-                                generate_fn=None, version_now=None):
-        for g in groups:
-            for j, s in enumerate(g):
-                s.append_model_tokens([5, 6], [-0.5, -0.5])
-                s.reward = (rewards or [1.0, 0.0, 0.0, 0.0])[j % 4]
-                s.status = SampleStatus.COMPLETED
-        return groups
 
-    monkeypatch.setattr(manager_mod, "_generate_all", fake_generate_all)
+def reward_by_position(args, sample):
+    """Sample j of a group scores REWARD_BY_POSITION[j % 4]."""
+    return REWARD_BY_POSITION[sample.index % args.n_samples_per_prompt % 4]
+
+
+def _offline_manager(tiny_model_dir, tmp_path, monkeypatch, *extra, data=None):
+    """A RolloutManager whose engines are scripted (every answer: tokens [5, 6]) and whose reward of
+    sample j of a group is REWARD_BY_POSITION[j % 4]."""
+    from slime.rollout.manager import RolloutManager
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = data or "".join(json.dumps({"input": f"say {i}", "label": str(i)}) + "\n" for i in range(4))
-    args = _args(tiny_model_dir, tmp_path, *extra, data=data)
-    m = manager_mod.RolloutManager(args)
+    args = _args(tiny_model_dir, tmp_path, "--custom-rm-path", f"{__name__}.reward_by_position", *extra, data=data)
+    monkeypatch.setattr("ray.put", lambda x: x)
+    m = RolloutManager(args, fleet=ScriptedFleet(lambda payload: ("ab", [5, 6], "stop", None)))
+    m.init()
     return m
 
 
 def test_eval_reports_mean_reward_and_pass_at_k(tiny_model_dir, tmp_path, monkeypatch):
-    from slime.data.dataset import Prompt
-
-    m = _fake_manager(tiny_model_dir, tmp_path, monkeypatch, "--n-samples-per-eval-prompt", 4)
-    m.eval_fn, m.generate_fn, m.reward, m.engines = None, None, None, None
-    m.eval_sets = {"toy": [Prompt("p", [1, 2], "1"), Prompt("q", [1, 3], "0")]}
+    ev = tmp_path / "ev.jsonl"
+    ev.write_text('{"input": "p", "label": "1"}\n{"input": "q", "label": "0"}\n')
+    m = _offline_manager(tiny_model_dir, tmp_path, monkeypatch, "--n-samples-per-eval-prompt", 4,
+                         "--n-samples-per-prompt", 4, "--global-batch-size", 4, "--eval-prompt-data", "toy", ev)
     metrics = m.eval(0)
     assert metrics["eval/toy"] == 0.25
     assert metrics["eval/toy/pass@1"] == pytest.approx(0.25)
@@ -306,30 +305,23 @@ def test_eval_reports_mean_reward_and_pass_at_k(tiny_model_dir, tmp_path, monkey
 
     hook = tmp_path / "ev.py"
     hook.write_text("async def evaluate(args, rollout_id):\n    return {'custom/score': rollout_id * 0.5}\n")
-    from slime.utils.hooks import load_function
-
-    m.eval_fn = load_function(f"{hook}:evaluate")
+    m = _offline_manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--eval-function-path", f"{hook}:evaluate")
     assert m.eval(4) == {"eval/custom/score": 2.0}
 
 
 def test_sample_filter_removes_from_loss_and_extra_samples_are_dropped(tiny_model_dir, tmp_path, monkeypatch):
+    from slime.rollout.train_data import fit_batch
+
     hook = tmp_path / "sf.py"
     hook.write_text("def drop_second(args, groups):\n    for g in groups:\n        g[1].remove_sample = True\n")
-    m = _fake_manager(tiny_model_dir, tmp_path, monkeypatch, "--n-samples-per-prompt", 2, "--rollout-batch-size", 2,
-                      "--rollout-sample-filter-path", f"{hook}:drop_second")
-    from slime.data.source import RolloutDataSource
-    from slime.utils.hooks import load_function
-
-    m.data_source = RolloutDataSource(m.args)
-    m.dynamic_filter = m.reward_post_process = m.rollout_fn = m.generate_fn = m.engines = m.reward = None
-    m.sample_filter = load_function(f"{hook}:drop_second")
-    monkeypatch.setattr("ray.put", lambda x: x)
+    m = _offline_manager(tiny_model_dir, tmp_path, monkeypatch, "--n-samples-per-prompt", 2, "--rollout-batch-size", 2,
+                         "--rollout-sample-filter-path", f"{hook}:drop_second")
     (batch,), metrics = m.generate(0)
     assert [sum(x) for x in batch.loss_masks] == [2, 0, 2, 0]
     assert metrics["rollout/removed_samples"] == 2.0
 
     extra = {}
     samples = [Sample(index=i) for i in range(6)]
-    assert m._fit_batch(samples, extra) == samples[:4] and extra == {"rollout/dropped_samples": 2.0}
+    assert fit_batch(m.args, samples, extra) == samples[:4] and extra == {"rollout/dropped_samples": 2.0}
     with pytest.raises(ValueError, match="produced 3 samples, fewer than"):
-        m._fit_batch(samples[:3], {})
+        fit_batch(m.args, samples[:3], {})

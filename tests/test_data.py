@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from slime.data.dataset import load_prompts
-from slime.data.source import DataSource
+from slime.data.source import PromptOrder
 from slime.types import RolloutBatch
 from slime.utils.errors import DataError
 
@@ -81,20 +81,20 @@ def _ids(prompts):
 def test_data_source_epochs_shuffle_and_state(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "x", "a": str(i)} for i in range(5)])
     prompts = load_prompts(path, tok, "q", "a")
-    plain = DataSource(prompts, shuffle=False)
-    assert _ids(plain.next_prompts(3)) == ["0", "1", "2"]
-    assert _ids(plain.next_prompts(4)) == ["3", "4", "0", "1"]  # crosses into epoch 1
+    plain = PromptOrder(prompts, shuffle=False)
+    assert _ids(plain.take(3)) == ["0", "1", "2"]
+    assert _ids(plain.take(4)) == ["3", "4", "0", "1"]  # crosses into epoch 1
     assert plain.epoch == 1
 
-    src = DataSource(prompts, shuffle=True, seed=7)
-    first_epoch = _ids(src.next_prompts(5))
+    src = PromptOrder(prompts, shuffle=True, seed=7)
+    first_epoch = _ids(src.take(5))
     assert sorted(first_epoch) == ["0", "1", "2", "3", "4"] and first_epoch != ["0", "1", "2", "3", "4"]
-    src.next_prompts(2)
+    src.take(2)
     state = src.state_dict()
-    expected = _ids(src.next_prompts(6))
-    resumed = DataSource(prompts, shuffle=True, seed=7)
+    expected = _ids(src.take(6))
+    resumed = PromptOrder(prompts, shuffle=True, seed=7)
     resumed.load_state_dict(state)
-    assert _ids(resumed.next_prompts(6)) == expected
+    assert _ids(resumed.take(6)) == expected
 
 
 def test_split_for_ranks_keeps_steps_aligned():

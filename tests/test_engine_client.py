@@ -1,5 +1,5 @@
-"""EngineClient and the sync helpers: retries, timeouts, error messages; and a round trip
-against the real native engine served by `python -m slime.engines.native`."""
+"""The engine client (slime.engines.control), async and blocking: retries, timeouts, error messages;
+and a round trip against the real native engine served by `python -m slime.engines.native`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import pytest
 from aiohttp import web
 
-from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json, wait_until_healthy
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
 
 
 def _free_port() -> int:
@@ -119,8 +119,8 @@ def fake():
     f.stop()
 
 
-def _fast_client(url, **kw) -> EngineClient:
-    c = EngineClient(url, **kw)
+def _fast_client(url, **kw) -> AsyncEngineControl:
+    c = AsyncEngineControl(url, **kw)
     c.backoff_base = 0.01
     return c
 
@@ -138,9 +138,9 @@ def test_generate_get_post_and_session_reuse(fake):
         try:
             out = await c.generate({"input_ids": [1, 2]})
             s1 = c._session
-            assert (await c.get("/health")) == {"status": "ok"}
-            assert (await c.post("/text")) == {"text": "Cache flushed."}
-            assert (await c.post("/empty", None)) == {}
+            assert (await c.health()) == {"status": "ok"}
+            assert (await c.request("POST", "/text", json={})) == {"text": "Cache flushed."}
+            assert (await c.request("POST", "/empty")) == {}
             assert c._session is s1
             return out
         finally:
@@ -150,13 +150,13 @@ def test_generate_get_post_and_session_reuse(fake):
     assert out["meta_info"]["echo"] == {"input_ids": [1, 2]}
     # a client can be reused from a new event loop (a fresh session is made there)
     c = _fast_client(fake.url)
-    assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
-    assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
+    assert asyncio.run(_and_close(c, c.health())) == {"status": "ok"}
+    assert asyncio.run(_and_close(c, c.health())) == {"status": "ok"}
     # ... even if it was not closed in the old one (the stale session is dropped)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
-        assert asyncio.run(c.get("/health")) == {"status": "ok"}
-        assert asyncio.run(_and_close(c, c.get("/health"))) == {"status": "ok"}
+        assert asyncio.run(c.health()) == {"status": "ok"}
+        assert asyncio.run(_and_close(c, c.health())) == {"status": "ok"}
         gc.collect()
     assert fake.hits["/health"] == 5
 
@@ -164,7 +164,7 @@ def test_generate_get_post_and_session_reuse(fake):
 def test_4xx_is_not_retried_and_names_everything(fake):
     c = _fast_client(fake.url, max_retries=3)
     with pytest.raises(EngineError) as ei:
-        asyncio.run(_and_close(c, c.post("/bad", {"x": 1})))
+        asyncio.run(_and_close(c, c.request("POST", "/bad", json={"x": 1})))
     msg = str(ei.value)
     assert fake.url in msg and "/bad" in msg and "400" in msg and "sampling_params.top_p" in msg
     assert ei.value.status == 400 and ei.value.endpoint == "/bad"
@@ -174,12 +174,12 @@ def test_4xx_is_not_retried_and_names_everything(fake):
 
 def test_5xx_is_retried(fake):
     c = _fast_client(fake.url, max_retries=3)
-    assert asyncio.run(_and_close(c, c.post("/flaky"))) == {"ok": 3}
+    assert asyncio.run(_and_close(c, c.request("POST", "/flaky", json={}))) == {"ok": 3}
     assert fake.hits["/flaky"] == 3
     fake.hits.clear()
     c = _fast_client(fake.url, max_retries=1)
     with pytest.raises(EngineError) as ei:
-        asyncio.run(_and_close(c, c.post("/flaky")))
+        asyncio.run(_and_close(c, c.request("POST", "/flaky", json={})))
     assert ei.value.status == 503 and "overloaded" in str(ei.value) and "2 attempts" in str(ei.value)
     assert fake.hits["/flaky"] == 2
 
@@ -188,7 +188,7 @@ def test_timeout_raises_instead_of_hanging(fake):
     c = _fast_client(fake.url, timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match="timed out") as ei:
-        asyncio.run(_and_close(c, c.get("/slow")))
+        asyncio.run(_and_close(c, c.request("GET", "/slow")))
     assert time.monotonic() - t0 < 3
     assert "/slow" in str(ei.value) and fake.hits["/slow"] == 1  # a read timeout is not retried
 
@@ -205,18 +205,23 @@ def test_connection_refused_is_retried_then_raises():
     assert ei.value.status is None
 
 
-def test_sync_helpers(fake):
-    assert get_json(fake.url, "/health", timeout=5) == {"status": "ok"}
-    out = post_bytes(fake.url, "/upload", b"\x00\x01abc", params={"weight_version": "3", "flush_cache": False},
-                     timeout=5)
+def test_blocking_client(fake):
+    assert EngineControl(fake.url, timeout=5).health() == {"status": "ok"}
+    out = EngineControl(fake.url, timeout=5).request("POST", "/upload", data=b"\x00\x01abc",
+                                                     params={"weight_version": "3", "flush_cache": False})
     assert out == {"n": 5, "query": {"weight_version": "3", "flush_cache": "false"},
                    "ctype": "application/octet-stream"}
     assert fake.last_body == b"\x00\x01abc"
     with pytest.raises(EngineError) as ei:
-        post_json(fake.url, "/bad", {}, timeout=5)
+        EngineControl(fake.url, timeout=5).request("POST", "/bad", json={})
     assert ei.value.status == 400 and "sampling_params.top_p" in str(ei.value) and fake.url in str(ei.value)
     with pytest.raises(EngineError, match="/health"):
-        get_json(f"http://127.0.0.1:{_free_port()}", "/health", timeout=2)
+        EngineControl(f"http://127.0.0.1:{_free_port()}", timeout=2).health()
+    # max_retries retries a 5xx in the blocking client too (none by default)
+    fake.hits.clear()
+    flaky = EngineControl(fake.url, timeout=5, max_retries=3)
+    flaky.backoff_base = 0.01
+    assert flaky.request("POST", "/flaky", json={}) == {"ok": 3} and fake.hits["/flaky"] == 3
     wait_until_healthy(fake.url, timeout=5)
 
 
@@ -253,7 +258,7 @@ def native_server(tiny_model_dir, tmp_path_factory):
 
 def test_client_against_native_engine(native_server):
     async def main():
-        async with EngineClient(native_server, timeout=60) as c:
+        async with AsyncEngineControl(native_server, timeout=60) as c:
             outs = await asyncio.gather(*[
                 c.generate({"input_ids": [5, 6, i + 7], "return_logprob": True,
                             "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "seed": i}})
@@ -261,7 +266,7 @@ def test_client_against_native_engine(native_server):
             ])
             with pytest.raises(EngineError) as ei:
                 await c.generate({"input_ids": [5], "sampling_params": {"top_p": 2}})
-            info = await c.get("/get_model_info")
+            info = await c.model_info()
             return outs, ei.value, info
 
     outs, err, info = asyncio.run(main())

@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +23,22 @@ sys.path.insert(0, str(EXAMPLES))
 from _e2e import records, run  # noqa: E402
 
 from slime.types import Sample  # noqa: E402
+from tests.helpers.args import make_args  # noqa: E402
+from tests.helpers.rollout import ScriptedFleet  # noqa: E402
+
+
+def example_args(tiny, tmp_path, **config):
+    """Real args whose --custom-config-path YAML holds `config` (the examples read their settings there);
+    `max_turns` and `rollout_max_response_len` are slime flags and go on the command line."""
+    import yaml
+
+    flags = []
+    for key in ("max_turns", "rollout_max_response_len"):
+        if key in config:
+            flags += ["--" + key.replace("_", "-"), config.pop(key)]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "example.yaml").write_text(yaml.safe_dump(config))
+    return make_args(tiny["model"], tmp_path, "--custom-config-path", tmp_path / "example.yaml", *flags)
 
 
 def load(example: str, name: str):
@@ -67,9 +82,9 @@ def test_python_tool_limits():
     assert asyncio.run(tools.run_python("print('x' * 5000)", max_output=10)) == "x" * 10
 
 
-def test_tool_reward():
+def test_tool_reward(tiny, tmp_path):
     reward = load("tool_use", "reward").reward
-    args = SimpleNamespace(tool_bonus=0.5)
+    args = example_args(tiny, tmp_path, tool_bonus=0.5)
 
     def sample(last, label="7", tool_ok=1, answered=True):
         return Sample(label=label, metadata={"last_turn": last, "tool_ok": tool_ok, "answered": answered, "turns": 2})
@@ -79,7 +94,7 @@ def test_tool_reward():
     assert reward(args, sample("7", tool_ok=0))["score"] == 1.0
     assert reward(args, sample("7 compute", answered=False))["correct"] == 0.0  # a call is no answer
     assert reward(args, sample("7 compute", answered=False))["score"] == 0.5
-    assert reward(SimpleNamespace(), sample("7"))["score"] == 1.0  # no bonus by default
+    assert reward(example_args(tiny, tmp_path / "plain"), sample("7"))["score"] == 1.0  # no bonus by default
 
 
 def test_bm25_finds_the_supporting_passage():
@@ -98,7 +113,7 @@ def test_bm25_finds_the_supporting_passage():
     assert retriever.format_passages(bm25.search("Orrin Vale retire", 1)).startswith("Doc 1(Title: Orrin Vale)")
 
 
-def test_search_parsing_and_reward():
+def test_search_parsing_and_reward(tiny, tmp_path):
     gen = load("search_r1", "generate")
     reward = load("search_r1", "reward")
     assert gen.search_query("tags", "<think>x</think> <search> Velmora river </search>") == "Velmora river"
@@ -106,19 +121,19 @@ def test_search_parsing_and_reward():
     assert gen.search_query("plain", "say question the number of yes ?") == "the number of yes"
     assert gen.search_query("plain", "the answer ?") is None
     assert gen.information("plain", [{"title": "t", "text": "a b"}]) == " result a b . "
-    args = SimpleNamespace(call_format="tags", reward_metric="em")
+    args = example_args(tiny, tmp_path / "em", call_format="tags", reward_metric="em")
     s = Sample(label=["Quillan River", "the Quillan River"], response="... <answer> the quillan river. </answer>",
                metadata={"searches": 2})
     assert reward.reward(args, s) == {"score": 1.0, "em": 1.0, "f1": 1.0, "searches": 2.0}
     s.response = "<answer>Quillan</answer>"
-    out = reward.reward(SimpleNamespace(call_format="tags", reward_metric="f1"), s)
+    out = reward.reward(example_args(tiny, tmp_path / "f1", call_format="tags", reward_metric="f1"), s)
     assert out["em"] == 0.0 and out["score"] == out["f1"] == pytest.approx(2 / 3)
     s.response = "no answer tags"
     assert reward.reward(args, s)["f1"] == 0.0
     plain = Sample(label=["four", "4"], metadata={"last_turn": "the 4 ?"})  # articles and punctuation go
-    assert reward.reward(SimpleNamespace(call_format="plain", reward_metric="em"), plain)["em"] == 1.0
+    assert reward.reward(example_args(tiny, tmp_path / "pe", call_format="plain", reward_metric="em"), plain)["em"] == 1.0
     plain.metadata["last_turn"] = "4 yes"
-    out = reward.reward(SimpleNamespace(call_format="plain", reward_metric="f1"), plain)
+    out = reward.reward(example_args(tiny, tmp_path / "pf", call_format="plain", reward_metric="f1"), plain)
     assert out["em"] == 0.0 and out["score"] == pytest.approx(2 / 3)
 
 
@@ -303,11 +318,9 @@ def test_openai_agent_episodes_become_samples(tiny, tmp_path, tokenizer):
 
 
 def _scripted(tokenizer, turns, args, example, sample):
-    from test_multiturn import ScriptedEngines
-
     from slime.rollout import api
 
-    engines = ScriptedEngines(turns)
+    engines = ScriptedFleet(turns)
     api.set_context(api.RolloutContext(args, tokenizer, engines, "http://unused"))
     try:
         gen = load(example, "generate")
@@ -323,7 +336,7 @@ def _prompt_sample(tokenizer, content, label):
     return Sample(prompt=[{"role": "user", "content": content}], label=label, tokens=list(ids))
 
 
-def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer):
+def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer, tmp_path):
     from slime.rollout.multiturn import env_message_tokens
 
     eos = tokenizer.eos_token_id
@@ -332,7 +345,8 @@ def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer):
     turns = [('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>', t1, "stop", eos),
              ('<tool_call>{"name": "calculator", "arguments": {"expression": "40 + 2"}}</tool_call>', t2, "stop", eos),
              ("42", t3, "stop", eos)]
-    args = SimpleNamespace(call_format="hermes", python_tool=True, max_turns=4, rollout_max_response_len=200)
+    args = example_args(tiny, tmp_path, call_format="hermes", python_tool=True, max_turns=4,
+                        rollout_max_response_len=200)
     sample = _prompt_sample(tokenizer, "what is 6 times 7 ?", "42")
     prompt = list(sample.tokens)
     s, engines = _scripted(tokenizer, turns, args, "tool_use", sample)
@@ -341,18 +355,19 @@ def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer):
     assert s.loss_mask == [1] * len(t1) + [0] * len(env) + [1] * len(t2) + [0] * len(env) + [1] * len(t3)
     assert s.metadata["tool_ok"] == 2 and s.metadata["answered"] and s.metadata["tool_calls"] == 2
     assert [p["sampling_params"].get("stop") for p in engines.payloads] == [None] * 3  # no plain stop string
-    assert load("tool_use", "reward").reward(SimpleNamespace(), s) == {
+    assert load("tool_use", "reward").reward(example_args(tiny, tmp_path / "plain"), s) == {
         "score": 1.0, "correct": 1.0, "tool_calls": 2.0, "turns": 3.0}
 
 
-def test_search_r1_tags_format_appends_the_passages(tiny, tokenizer):
+def test_search_r1_tags_format_appends_the_passages(tiny, tokenizer, tmp_path):
     search = load("search_r1", "generate")
     eos = tokenizer.eos_token_id
     t1 = [tokenizer.convert_tokens_to_ids(w) for w in ["the", "answer"]]
     t2 = [tokenizer.convert_tokens_to_ids("yes"), eos]
     turns = [("<think> where </think> <search> Orrin Vale retire </search>", t1, "stop", "</search>"),
              ("<answer> Brisk </answer>", t2, "stop", "</answer>")]
-    args = SimpleNamespace(call_format="tags", search_top_k=2, max_turns=4, rollout_max_response_len=400)
+    args = example_args(tiny, tmp_path, call_format="tags", search_top_k=2, max_turns=4,
+                        rollout_max_response_len=400)
     sample = _prompt_sample(tokenizer, "question", ["Brisk"])
     prompt = list(sample.tokens)
     s, engines = _scripted(tokenizer, turns, args, "search_r1", sample)

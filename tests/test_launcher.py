@@ -1,7 +1,8 @@
 import json
 
 from slime.arguments import parse_args
-from slime.engines.launcher import forwarded_flags, native_command
+from slime.engines.native.cli import native_command
+from slime.engines.passthrough import PassThrough
 
 
 def test_sglang_flags_forwarded_to_native_engine(tiny_model_dir, tmp_path):
@@ -25,8 +26,16 @@ def test_sglang_flags_forwarded_to_native_engine(tiny_model_dir, tmp_path):
 
 
 def test_forwarded_flags_bare_and_valued():
-    flags, ignored = forwarded_flags({"a_b": True, "c": "1", "zz": "2"}, {"a_b", "c"})
-    assert flags == ["--a-b", "--c", "1"] and ignored == ["zz"]
+    import argparse
+
+    from slime.engines.passthrough import option_table
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--a-b", action="store_true")
+    parser.add_argument("--c")
+    lenient = PassThrough("--sglang-", "the native engine", options=option_table(parser), strict=False)
+    flags, dests = lenient.forward({"a_b": True, "c": "1", "zz": "2"})
+    assert flags == ["--a-b", "--c", "1"] and dests == {"a_b", "c"}  # zz: not the server's, skipped
 
 
 def test_engine_threads_follow_the_cpu_split(tiny_model_dir, tmp_path, monkeypatch):

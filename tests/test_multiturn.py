@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from slime.rollout import api
 from slime.rollout.multiturn import (ToolCall, call_tool, env_message_tokens, parse_tool_calls,
                                      run_tool_loop)
 from slime.types import Sample, SampleStatus
+from tests.helpers.args import make_args
+from tests.helpers.rollout import ScriptedFleet
 
 
 @pytest.fixture(scope="module")
@@ -95,34 +96,14 @@ def test_call_tool_turns_every_failure_into_a_message():
 # ---------------------------------------------------------------- the tool loop against a scripted engine
 
 
-class ScriptedEngines:
-    """`generate(payload)` answers with the next scripted turn: (text, output ids, finish, matched)."""
-
-    def __init__(self, turns):
-        self.turns = list(turns)
-        self.payloads = []
-
-    async def generate(self, payload):
-        self.payloads.append(json.loads(json.dumps(payload)))
-        text, out, finish, matched = self.turns.pop(0)
-        n = payload["sampling_params"]["max_new_tokens"]
-        if len(out) > n:  # the engine honours max_new_tokens
-            out, finish, matched, text = out[:n], "length", None, text
-        lps = [-0.1 * (k + 1) - 0.01 * len(self.payloads) for k in range(len(out))]
-        return {"text": text, "output_ids": out, "meta_info": {
-            "finish_reason": {"type": finish, "matched": matched}, "prompt_tokens": len(payload["input_ids"]),
-            "completion_tokens": len(out), "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, out)],
-            "weight_version": "4"}}
-
-
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
 
 
 @pytest.fixture
-def loop(tok):
+def loop(tok, tiny_model_dir, tmp_path):
     def run(turns, max_turns=4, budget=64, **kw):
-        engines = ScriptedEngines(turns)
-        args = SimpleNamespace(max_turns=max_turns, rollout_max_response_len=budget)
+        engines = ScriptedFleet(turns)
+        args = make_args(tiny_model_dir, tmp_path, "--max-turns", max_turns, "--rollout-max-response-len", budget)
         api.set_context(api.RolloutContext(args, tok, engines, "http://unused"))
         prompt = ids(tok, tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4 ?"}],
                                                   tokenize=False, add_generation_prompt=True))
@@ -317,6 +298,9 @@ def rollout(args, rollout_id, data_source, evaluation=False):
 async def evaluate(args, rollout_id):
     return {"mine": 0.25 * rollout_id, "eval/already": 1.0}
 
+def label_reward(args, sample):
+    return float(sample.label)
+
 def drop_odd_labels(args, groups):
     for g in groups:
         for s in g:
@@ -337,50 +321,37 @@ def user_module(tmp_path):
     load_function.cache_clear()
 
 
-def _manager(tiny_model_dir, tmp_path, *extra):
-    from test_fsdp_trainer import make_args
-
+def _manager(tiny_model_dir, tmp_path, monkeypatch, *extra, fleet=None):
+    """A RolloutManager built from the flags, its engines scripted (custom code reaches them through
+    slime.rollout.api.context(), as it would the real fleet)."""
     from slime.rollout.manager import RolloutManager
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args = make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2, *extra)
-    m = RolloutManager(args)
-    m.engines = None  # custom code reaches the (fake) engines through slime.rollout.api.context()
-    for attr, flag in [("generate_fn", "custom_generate_function_path"), ("rollout_fn", "rollout_function_path"),
-                       ("eval_fn", "eval_function_path"), ("sample_filter", "rollout_sample_filter_path"),
-                       ("dynamic_filter", "dynamic_sampling_filter_path"),
-                       ("reward_post_process", "custom_reward_post_process_path")]:
-        setattr(m, attr, m._hook(flag))
+    monkeypatch.setattr("ray.put", lambda x: x)  # no Ray: the batch itself stands for its ref
+    m = RolloutManager(make_args(tiny_model_dir, tmp_path, "--n-samples-per-prompt", 2, *extra),
+                       fleet=fleet or ScriptedFleet([]))
+    m.init()
     return m
 
 
 def test_custom_generate_data_source_and_reward_through_the_manager(tiny_model_dir, tmp_path, tok, user_module,
                                                                     monkeypatch):
-    from slime.rollout.rewards import build_reward
-
-    m = _manager(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--global-batch-size", 4,
-                 "--custom-generate-function-path", f"{user_module}:generate",
-                 "--custom-rm-path", f"{user_module}:reward", "--reward-key", "score",
-                 "--data-source-path", f"{user_module}:Source", "--max-turns", 3)
-    m.data_source = m._hook("data_source_path")(m.args)
-    m.reward = build_reward(m.args)
     eos = tok.eos_token_id
     call = ids(tok, "compute") + [eos]
     answer = ids(tok, "7") + [eos]
 
-    class Engines(ScriptedEngines):  # episodes run concurrently: answer by what the request is
-        async def generate(self, payload):
-            if payload["sampling_params"]["temperature"] == 0.0:  # the plain single turn
-                self.turns = [("yes", ids(tok, "yes") + [eos], "stop", eos)]
-            elif payload["input_ids"] == [1, 2, 3]:  # an episode's first turn: a tool call
-                self.turns = [(CALL, call, "stop", eos)]
-            else:
-                self.turns = [("7", answer, "stop", eos)]
-            return await super().generate(payload)
+    def answer_by_request(payload):  # episodes run concurrently: answer by what the request is
+        if payload["sampling_params"]["temperature"] == 0.0:  # the plain single turn
+            return "yes", ids(tok, "yes") + [eos], "stop", eos
+        if payload["input_ids"] == [1, 2, 3]:  # an episode's first turn: a tool call
+            return CALL, call, "stop", eos
+        return "7", answer, "stop", eos
 
-    engines = Engines([])
-    api.set_context(api.RolloutContext(m.args, tok, engines, "http://unused"))
-    monkeypatch.setattr("ray.put", lambda x: x)
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 2, "--global-batch-size", 4,
+                 "--custom-generate-function-path", f"{user_module}:generate",
+                 "--custom-rm-path", f"{user_module}:reward", "--reward-key", "score",
+                 "--data-source-path", f"{user_module}:Source", "--max-turns", 3,
+                 fleet=ScriptedFleet(answer_by_request))
     try:
         refs, metrics = m.generate(0)
     finally:
@@ -404,8 +375,6 @@ def test_custom_generate_data_source_and_reward_through_the_manager(tiny_model_d
 
 
 def test_group_reward_contract(tiny_model_dir, tmp_path, user_module):
-    from test_fsdp_trainer import make_args
-
     from slime.rollout.generate import score_group
     from slime.rollout.rewards import build_reward
 
@@ -418,12 +387,9 @@ def test_group_reward_contract(tiny_model_dir, tmp_path, user_module):
 
 
 def test_rollout_function_sample_filter_and_eval_function(tiny_model_dir, tmp_path, user_module, monkeypatch):
-    m = _manager(tiny_model_dir, tmp_path, "--rollout-batch-size", 3, "--global-batch-size", 6,
+    m = _manager(tiny_model_dir, tmp_path, monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
                  "--rollout-function-path", f"{user_module}:rollout", "--data-source-path", f"{user_module}:Source",
                  "--eval-function-path", f"{user_module}:evaluate")
-    m.data_source = m._hook("data_source_path")(m.args)
-    m.reward = None
-    monkeypatch.setattr("ray.put", lambda x: x)
     [batch], metrics = m.generate(0)
     assert batch.raw_rewards == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
     assert batch.loss_masks == [[1, 0]] * 6 and batch.group_indices == [0, 0, 1, 1, 2, 2]
@@ -431,20 +397,17 @@ def test_rollout_function_sample_filter_and_eval_function(tiny_model_dir, tmp_pa
     assert m.eval(4) == {"eval/mine": 1.0, "eval/already": 1.0}
 
     # --rollout-sample-filter-path: samples it removes stay in the batch with an all-zero loss mask
-    m = _manager(tiny_model_dir, tmp_path / "b", "--rollout-batch-size", 3, "--global-batch-size", 6,
-                 "--rollout-sample-filter-path", f"{user_module}:drop_odd_labels")
-    groups = [[Sample(label=p, tokens=[1, 5, 5], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0],
-                      reward=float(p), status=SampleStatus.COMPLETED) for _ in range(2)] for p in range(3)]
-    m.data_source = SimpleNamespace(get_samples=lambda n: groups[:n])
-    monkeypatch.setattr(m, "_generate_groups", lambda g, rid, ev: g)
+    # (the Source's prompt [1, 2, 3] + a scripted answer [5, 5], scored by its label)
+    m = _manager(tiny_model_dir, tmp_path / "b", monkeypatch, "--rollout-batch-size", 3, "--global-batch-size", 6,
+                 "--data-source-path", f"{user_module}:Source", "--custom-rm-path", f"{user_module}:label_reward",
+                 "--rollout-sample-filter-path", f"{user_module}:drop_odd_labels",
+                 fleet=ScriptedFleet(lambda payload: ("ab", [5, 5], "stop", None)))
     [batch], metrics = m.generate(0)
     assert [sum(x) for x in batch.loss_masks] == [2, 2, 0, 0, 2, 2]
     assert metrics["rollout/removed_samples"] == 2.0
 
 
 def test_buffer_filter_contract(tiny_model_dir, tmp_path, user_module, tok):
-    from test_fsdp_trainer import make_args
-
     from slime.data.dataset import Prompt
     from slime.data.source import RolloutDataSource
 
@@ -457,8 +420,6 @@ def test_buffer_filter_contract(tiny_model_dir, tmp_path, user_module, tok):
 
 
 def test_bad_extension_path_names_the_flag(tiny_model_dir, tmp_path, user_module):
-    from test_fsdp_trainer import make_args
-
     from slime.utils.errors import SlimeConfigError
 
     with pytest.raises(SlimeConfigError, match="--custom-generate-function-path .*has no attribute 'nope'"):
@@ -467,15 +428,13 @@ def test_bad_extension_path_names_the_flag(tiny_model_dir, tmp_path, user_module
 
 
 def test_custom_generate_must_return_samples(tiny_model_dir, tmp_path):
-    from slime.rollout.manager import _generate_all
+    from slime.rollout.group_generation import GroupRunner, generate_groups
     from slime.rollout.rewards import RewardFunction
 
     async def bad(args, sample, params):
         return "text"
 
-    args = SimpleNamespace(seed=0, rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
-                           rollout_max_response_len=4, rollout_stop=None, rollout_stop_token_ids=None)
+    args = make_args(tiny_model_dir, tmp_path, "--rollout-max-response-len", 4)
+    runner = GroupRunner(args, None, RewardFunction(lambda a, s: 0.0), bad)
     with pytest.raises(TypeError, match=r"returned \[?'text'\]?; expected a Sample or a non-empty list"):
-        asyncio.run(_generate_all(args, None, RewardFunction(lambda a, s: 0.0), [[Sample(index=0)]], 0, False,
-                                  generate_fn=bad))
-
+        asyncio.run(generate_groups(runner, [[Sample(index=0)]], 0, False))

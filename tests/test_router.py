@@ -11,8 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from slime.engines.client import get_json
-from slime.engines.router import EnginePool, RouterAdmin, RouterError, connect_router, start_router
+from slime.engines.control import EngineControl
+from slime.engines.fleet import EnginePool
+from slime.engines.router import RouterAdmin, RouterError, connect_router, start_router
 
 from tests._native_server import free_port, native_server
 
@@ -117,7 +118,7 @@ def test_removed_engine_gets_no_requests_and_comes_back(two_engines, router):
     admin = RouterAdmin(router.url)
     for u in two_engines:
         admin.add(u)
-    before = [get_json(u, "/get_server_info")["total_requests"] for u in two_engines]
+    before = [EngineControl(u).server_info()["total_requests"] for u in two_engines]
     admin.remove(two_engines[1])
     assert set(admin.workers()) == {two_engines[0].rstrip("/")}
 
@@ -128,11 +129,11 @@ def test_removed_engine_gets_no_requests_and_comes_back(two_engines, router):
         return outs
 
     asyncio.run(run(8))
-    mid = [get_json(u, "/get_server_info")["total_requests"] for u in two_engines]
+    mid = [EngineControl(u).server_info()["total_requests"] for u in two_engines]
     assert mid[0] - before[0] == 8 and mid[1] == before[1]
     admin.add(two_engines[1])
     asyncio.run(run(16))
-    after = [get_json(u, "/get_server_info")["total_requests"] for u in two_engines]
+    after = [EngineControl(u).server_info()["total_requests"] for u in two_engines]
     assert after[1] > mid[1] and (after[0] - mid[0]) + (after[1] - mid[1]) == 16
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from slime.rollout import sft
+from slime.data import sft
 from slime.utils.errors import DataError, SlimeConfigError
 
 CHAT = [
@@ -118,7 +118,7 @@ def test_load_conversations_names_the_line(tiny_tok, tmp_path):
         sft.load_conversations(path, tiny_tok, "messages")
     path.write_text(json.dumps({"messages": CHAT}) + "\n")
     (conv,) = sft.load_conversations(path, tiny_tok, "messages")
-    (sample,) = sft.to_samples([conv])
+    sample = sft.conversation_sample(conv)
     assert sample.tokens == conv.tokens and sample.response_length == len(conv.tokens) - conv.prompt_length
     assert sample.loss_mask == conv.loss_mask[conv.prompt_length:] and sample.loss_mask[0] == 1
 
@@ -156,7 +156,7 @@ def test_manager_sft_batches_start_no_engines(tiny_model_dir, tmp_path, monkeypa
     monkeypatch.setattr(ray, "put", lambda x: x)  # no Ray needed: the batch itself stands for its ref
     args = sft_args(tiny_model_dir, tmp_path)
     m = RolloutManager(args)
-    assert m.init() == [] and m.servers == []
+    assert m.init() == [] and m.fleet.servers == []
     (batch,), metrics = m.generate(0)
     assert len(batch) == 2 and batch.rewards == [0.0, 0.0]
     assert all(len(lm) == r for lm, r in zip(batch.loss_masks, batch.response_lengths))

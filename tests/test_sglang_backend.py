@@ -1,5 +1,5 @@
-"""The SGLang backend's protocol without SGLang: every control call of `SGLangControl` made
-against the native engine (which speaks SGLang's protocol), with bodies checked against
+"""The SGLang backend's protocol without SGLang: every control call of the engine client
+(`slime.engines.control`) made against the native engine (which speaks SGLang's protocol), with bodies checked against
 SGLang's request structs, and the weight-update group's two ends. The command lines are in
 test_sglang_command.py."""
 
@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from slime.engines.client import EngineClient, EngineError, get_json, wait_until_healthy
-from slime.engines.sglang import SGLangControl, broadcast_layout
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
+from slime.engines.sglang import broadcast_layout
 from tests._native_server import native_server
 
 # ----------------------------------------------------------------- captured from SGLang 0.5.23
@@ -81,7 +81,7 @@ def test_trainer_group_meets_an_sglang_style_engine_end():
     _new_process_group_helper) exchange broadcasts, in order, over gloo."""
     import subprocess
 
-    from slime.engines.launcher import free_port
+    from slime.utils.net import free_port
     from slime.engines.native.weight_group import new_group
 
     port = free_port()
@@ -104,8 +104,8 @@ def test_trainer_group_meets_an_sglang_style_engine_end():
 # ----------------------------------------------------------------- protocol calls
 
 
-class _Recorder(EngineClient):
-    """An EngineClient that records (method, path, body) and forwards to the server (or, with
+class _Recorder(AsyncEngineControl):
+    """An engine client that records (method, path, body) and forwards to the server (or, with
     url None, answers {"success": true, "weight_version": "w"} itself)."""
 
     def __init__(self, url):
@@ -113,11 +113,11 @@ class _Recorder(EngineClient):
         self.offline = url is None
         self.calls: list[tuple[str, str, dict | None]] = []
 
-    async def _request(self, method, path, json=None, data=None, params=None, headers=None):
+    async def request(self, method, path, *, json=None, data=None, params=None):
         self.calls.append((method, path, json))
         if self.offline:
             return {"success": True, "weight_version": "w"}
-        return await super()._request(method, path, json=json, data=data, params=params, headers=headers)
+        return await super().request(method, path, json=json, data=data, params=params)
 
 
 def _check_schema(calls):
@@ -168,10 +168,10 @@ def test_health_wait_rides_out_sglang_starting_503():
         srv.server_close()
 
 
-async def _running(client: EngineClient, timeout: float = 60.0) -> None:
+async def _running(client: AsyncEngineControl, timeout: float = 60.0) -> None:
     """Wait until the engine has a request running (not just queued)."""
     deadline = time.monotonic() + timeout
-    while (await client.get("/get_server_info"))["num_running_requests"] < 1:
+    while (await client.server_info())["num_running_requests"] < 1:
         assert time.monotonic() < deadline, "the request never started"
         await asyncio.sleep(0.05)
 
@@ -181,7 +181,7 @@ def test_generation_controls_against_native(server):
 
     async def go():
         rec = _Recorder(url)
-        ctl = SGLangControl(rec)
+        ctl = rec
         try:
             # a long request, then pause / abort everything: it comes back as aborted
             payload = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True,
@@ -233,7 +233,7 @@ def test_disk_update_memory_and_weight_version_against_native(server, tiny_model
 
     async def go():
         rec = _Recorder(url)
-        ctl = SGLangControl(rec)
+        ctl = rec
         try:
             before = await ctl.weight_version()
             assert await ctl.begin_weight_update() is False  # native: no session needed (404)
@@ -257,7 +257,7 @@ def test_disk_update_memory_and_weight_version_against_native(server, tiny_model
     before, after, out, err = _run(go())
     assert before != "v2" and after == "v2" and out["meta_info"]["weight_version"] == "v2"
     assert err.status == 400 and "missing" in str(err)
-    assert get_json(url, "/weights_checksum")["checksums"]["model.norm.weight"] == tensor_digest(
+    assert EngineControl(url).weights_checksum()["model.norm.weight"] == tensor_digest(
         model.model.norm.weight)
     assert proc.poll() is None
 
@@ -268,7 +268,7 @@ def test_distributed_update_with_sglang_bodies_against_native(server, tiny_model
     from transformers import AutoModelForCausalLM
 
     from slime.engines.native.weight_group import new_group
-    from slime.engines.launcher import free_port
+    from slime.utils.net import free_port
     from slime.utils.weights import tensor_digest
 
     url, proc = server
@@ -283,7 +283,7 @@ def test_distributed_update_with_sglang_bodies_against_native(server, tiny_model
 
     async def go():
         rec = _Recorder(url)
-        ctl = SGLangControl(rec)
+        ctl = rec
         try:
             join = asyncio.create_task(ctl.init_weights_update_group("127.0.0.1", port, offsets[0], world,
                                                                      group_name="sgl", backend="gloo"))
@@ -307,19 +307,19 @@ def test_distributed_update_with_sglang_bodies_against_native(server, tiny_model
 
     resp, version, _store = _run(go())
     assert resp["success"] is True and version == "d1"
-    sums = get_json(url, "/weights_checksum")["checksums"]
+    sums = EngineControl(url).weights_checksum()
     assert [sums[n] for n, _ in sent] == [tensor_digest(t) for _, t in sent]
-    assert "sgl" not in get_json(url, "/get_server_info")["weight_update_groups"]
+    assert "sgl" not in EngineControl(url).server_info()["weight_update_groups"]
     assert proc.poll() is None
 
 
 def test_request_bodies_match_sglang_structs():
-    """Every body SGLangControl builds (tensor update included, which the native engine takes
+    """Every body the engine client builds (the IPC tensor update included, which the native engine takes
     only in binary form) uses only SGLang's field names and carries the required ones."""
 
     async def go():
         c = _Recorder(None)
-        ctl = SGLangControl(c)
+        ctl = c
         await ctl.abort("r")
         await ctl.abort()
         await ctl.pause("abort")
@@ -332,12 +332,12 @@ def test_request_bodies_match_sglang_structs():
         await ctl.init_weights_update_group("10.0.0.1", 29500, 3, 7, group_name="g")
         await ctl.update_weights_from_distributed(["a"], [torch.bfloat16], [[2, 3]], group_name="g",
                                                   weight_version="4")
-        await ctl.update_weights_from_tensor(["QUJD", "REVG"], weight_version="5")
+        await ctl.update_weights_from_ipc_handles(["QUJD", "REVG"], weight_version="5")
         await ctl.end_weight_update()
         await ctl.destroy_weights_update_group("g")
         assert await ctl.weight_version() == "w"
         with pytest.raises(ValueError, match="one per TP rank"):
-            await ctl.update_weights_from_tensor([])
+            await ctl.update_weights_from_ipc_handles([])
         return c.calls
 
     calls = _run(go())
@@ -372,12 +372,12 @@ def test_success_false_is_an_error():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        ctl = SGLangControl(EngineClient(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"))
+        ctl = AsyncEngineControl(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
         try:
             with pytest.raises(EngineError, match="did not succeed: 'no such dir'"):
                 await ctl.update_weights_from_disk("/x")
         finally:
-            await ctl.client.close()
+            await ctl.close()
             await runner.cleanup()
 
     _run(go())

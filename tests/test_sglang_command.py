@@ -14,7 +14,7 @@ import types
 import pytest
 
 from slime.arguments import parse_args
-from slime.engines.client import get_json
+from slime.engines.control import EngineControl
 from slime.engines.sglang import base_gpu_id, check_sglang_args, sglang_command, sglang_parser
 from slime.utils.errors import SlimeConfigError
 
@@ -233,7 +233,7 @@ def test_engine_server_launches_the_sglang_command(tiny_model_dir, data_file, tm
     server = EngineServer(args, 0)
     url = server.start()
     try:
-        info = get_json(url, "/get_server_info")
+        info = EngineControl(url).server_info()
         assert (info["random_seed"], info["max_running_requests"]) == (7, 16)
         argv = json.loads((tmp_path / "argv.json").read_text())
         assert argv[argv.index("--port") + 1] == url.rsplit(":", 1)[1]

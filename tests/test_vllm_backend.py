@@ -14,13 +14,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 
 from slime.engines.protocol import ProtocolError, parse_generate_request
-from slime.engines.vllm import (
+from tests.helpers.args import make_args
+from slime.engines.vllm.launch import (
     INSTALL_SCRIPT,
     VllmNotInstalled,
     adapter_command,
@@ -29,7 +29,7 @@ from slime.engines.vllm import (
     vllm_command,
     vllm_python,
 )
-from slime.engines.vllm_translate import (
+from slime.engines.vllm.translate import (
     UpstreamError,
     from_completion_response,
     safetensors_names,
@@ -64,24 +64,25 @@ def test_vllm_command_wraps_vllm_server(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"dtype": "float32", "vocab_size": 66}))
-    args = SimpleNamespace(hf_checkpoint=str(model), seed=3, rollout_num_gpus_per_engine=1,
-                           vllm_args={"max_num_seqs": "8", "enforce_eager": True}, engine_startup_timeout=120.0)
+    args = make_args(model, tmp_path, "--rollout-backend", "vllm", "--seed", 3, "--engine-startup-timeout", 120,
+                     "--vllm-max-num-seqs", 8, "--vllm-enforce-eager")
     cmd = vllm_command(args, rank=2, host="127.0.0.1", port=4567)
     cut = cmd.index("--")
     own, server = cmd[:cut], cmd[cut + 1:]
-    assert own[:3] == [sys.executable, "-m", "slime.engines.vllm_adapter"]
+    assert own[:3] == [sys.executable, "-m", "slime.engines.vllm.adapter"]
     assert own[own.index("--port") + 1] == "4567" and own[own.index("--host") + 1] == "127.0.0.1"
     assert own[own.index("--startup-timeout") + 1] == "120.0" and own[own.index("--sleep-mode") + 1] == "0"
     assert server[0] == str(tmp_path / "venv-vllm" / "bin" / "python")
     assert server[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert server[server.index("--model") + 1] == str(model)
     assert server[server.index("--seed") + 1] == "5"  # seed + rank
-    assert server[server.index("--worker-extension-cls") + 1] == "slime.engines.vllm_worker.SlimeWorkerExtension"
+    assert server[server.index("--worker-extension-cls") + 1] == "slime.engines.vllm.worker.SlimeWorkerExtension"
     assert server[server.index("--max-num-seqs") + 1] == "8" and "--enforce-eager" in server
     assert server[server.index("--dtype") + 1] == "float32"  # the checkpoint's dtype, not vLLM-CPU's bf16
     assert "--port" not in server  # the adapter picks vLLM's private port
     # --vllm-dtype wins; tensor parallelism follows --rollout-num-gpus-per-engine
-    args.vllm_args, args.rollout_num_gpus_per_engine = {"dtype": "bfloat16"}, 2
+    args = make_args(model, tmp_path, "--rollout-backend", "vllm", "--vllm-dtype", "bfloat16",
+                     "--rollout-num-gpus", 2, "--rollout-num-gpus-per-engine", 2)
     server = vllm_command(args, 0, "127.0.0.1", 1)
     assert server[server.index("--dtype") + 1] == "bfloat16"
     assert server[server.index("--tensor-parallel-size") + 1] == "2"
@@ -91,13 +92,15 @@ def test_missing_venv_names_install_script(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIME_VLLM_VENV", str(tmp_path / "nowhere"))
     with pytest.raises(VllmNotInstalled, match=INSTALL_SCRIPT):
         vllm_python()
-    args = SimpleNamespace(vllm_args={})
-    with pytest.raises(SlimeConfigError, match="SLIME_VLLM_VENV"):
-        check_vllm_args(args)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SlimeConfigError, match="SLIME_VLLM_VENV"):  # at parse time
+        make_args(model, tmp_path, "--rollout-backend", "vllm")
     monkeypatch.setenv("SLIME_VLLM_VENV", str(fake_venv(tmp_path)))
-    check_vllm_args(args)
+    check_vllm_args(make_args(model, tmp_path, "--rollout-backend", "vllm"))
     with pytest.raises(SlimeConfigError, match=r"--vllm-port is set by slime \(vLLM listens on a private"):
-        check_vllm_args(SimpleNamespace(vllm_args={"port": "1"}))
+        make_args(model, tmp_path, "--rollout-backend", "vllm", "--vllm-port", 1)
 
 
 def test_adapter_command_sleep_mode_flag(tmp_path):
@@ -253,8 +256,8 @@ class FakeVllm:
 @pytest.fixture
 def adapter(tmp_path):
     """(adapter url, FakeVllm, AdapterState) served from a background event loop."""
-    from slime.engines.launcher import free_port
-    from slime.engines.vllm_adapter import AdapterState, create_app
+    from slime.utils.net import free_port
+    from slime.engines.vllm.adapter import AdapterState, create_app
 
     model = tmp_path / "model"
     model.mkdir()
@@ -472,8 +475,8 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from slime.engines.client import wait_until_healthy
-    from slime.engines.launcher import free_port
+    from slime.engines.control import wait_until_healthy
+    from slime.utils.net import free_port
     from slime.training.weight_sync import broadcast_weights, init_broadcast_group, sync_weights
 
     port = free_port()

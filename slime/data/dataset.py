@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow.parquet as pq
+
 from slime.utils.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -29,12 +31,10 @@ class Prompt:
     where: str = ""  # "file:line" for messages
 
 
-def _rows(path: Path) -> Iterator[tuple[str, dict]]:
+def read_rows(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield (location, row) pairs; location is `file:line` (JSONL) or `file row N` (Parquet)."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path)
         except Exception as e:
@@ -77,8 +77,6 @@ def count_rows(path: str | Path) -> int:
     """Number of rows in a prompt file (after its `@[start:end]` slice), without tokenizing."""
     path, rows = split_slice(str(path))
     if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
         n = pq.ParquetFile(path).metadata.num_rows
     else:
         with open(path, encoding="utf-8") as f:
@@ -86,7 +84,7 @@ def count_rows(path: str | Path) -> int:
     return len(range(n)[rows])
 
 
-def _check_messages(where: str, key: str, messages: list) -> None:
+def check_messages(where: str, key: str, messages: list) -> None:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise DataError(
@@ -126,12 +124,12 @@ def load_prompts(
         raise DataError(f"{path}: prompt file does not exist")
     prompts: list[Prompt] = []
     too_long = 0
-    for where, row in list(_rows(path))[rows]:
+    for where, row in list(read_rows(path))[rows]:
         if input_key not in row:
             raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
         prompt = row[input_key]
         if isinstance(prompt, list):
-            _check_messages(where, input_key, prompt)
+            check_messages(where, input_key, prompt)
             if not apply_chat_template:
                 raise DataError(f"{where}: field {input_key!r} is a list of chat messages; pass --apply-chat-template")
         elif not isinstance(prompt, str):

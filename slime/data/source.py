@@ -1,23 +1,56 @@
-"""DataSource: hands out prompts batch by batch across epochs, with saved state.
+"""Where a rollout's samples come from: one data-source interface.
 
-Order is a pure function of (seed, epoch, offset): with `shuffle`, epoch e uses the
-permutation drawn from `seed + e`, so a resumed source continues exactly where the
-saved one stopped.
+A data source hands out groups of fresh Samples and takes groups back:
+
+    get_samples(num_groups) -> list[list[Sample]]   # groups of n_samples_per_prompt Samples
+    add_samples(groups)                             # served again first (partial rollouts, custom code)
+    state_dict() -> dict / load_state_dict(state)   # saved with every checkpoint
+    __len__()                                       # optional: prompts in one epoch (--num-epoch)
+
+`RolloutDataSource` is the built-in one: rows of `--prompt-data` (prompts, or chat conversations
+for `--loss-type sft_loss`) in an order that is a pure function of (seed, epoch, offset)
+(`PromptOrder`), plus a buffer of groups given back. A `--data-source-path` class implements the
+same methods (`ReasoningGymDataSource` is one). `make_data_source(args, tokenizer)` picks the
+run's source once.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from dataclasses import asdict
+from typing import Any, Callable, Protocol
 
-from slime.data.dataset import Prompt
+from transformers import AutoTokenizer
+
+from slime.data.dataset import Prompt, load_prompts
+from slime.data.sft import conversation_sample, load_conversations
+from slime.types import Sample, SampleStatus
+from slime.utils.hooks import load_function
 
 
-class DataSource:
-    def __init__(self, prompts: list[Prompt], shuffle: bool = False, seed: int = 42):
-        if not prompts:
-            raise ValueError("DataSource needs at least one prompt")
-        self.prompts = prompts
+class DataSource(Protocol):
+    """What the rollout manager asks of its data (see the module docstring)."""
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]: ...
+
+    def add_samples(self, groups: list[list[Sample]]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class PromptOrder:
+    """Items handed out batch by batch across epochs, with saved state.
+
+    The order is a pure function of (seed, epoch, offset): with `shuffle`, epoch e uses the
+    permutation drawn from `seed + e`, so a resumed order continues exactly where the saved one
+    stopped."""
+
+    def __init__(self, items: list, shuffle: bool = False, seed: int = 42):
+        if not items:
+            raise ValueError("a data source needs at least one prompt")
+        self.items = items
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
@@ -25,79 +58,74 @@ class DataSource:
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
+        order = list(range(len(self.items)))
         if self.shuffle:
             random.Random(self.seed + epoch).shuffle(order)
         return order
 
     def __len__(self) -> int:
-        return len(self.prompts)
+        return len(self.items)
 
-    def next_prompts(self, n: int) -> list[Prompt]:
-        """The next `n` prompts, crossing into the next epoch (reshuffled) when this one runs out."""
+    def take(self, n: int) -> list:
+        """The next `n` items, crossing into the next epoch (reshuffled) when this one runs out."""
         out = []
         while len(out) < n:
             if self.offset == len(self._order):
                 self.epoch += 1
                 self.offset = 0
                 self._order = self._epoch_order(self.epoch)
-            take = min(n - len(out), len(self._order) - self.offset)
-            out.extend(self.prompts[i] for i in self._order[self.offset : self.offset + take])
-            self.offset += take
+            k = min(n - len(out), len(self._order) - self.offset)
+            out.extend(self.items[i] for i in self._order[self.offset : self.offset + k])
+            self.offset += k
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle,
-                "num_prompts": len(self.prompts)}
+                "num_prompts": len(self.items)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_prompts"] != len(self.prompts):
+        if state["num_prompts"] != len(self.items):
             raise ValueError(
-                f"saved data state is for {state['num_prompts']} prompts but the prompt data has {len(self.prompts)}"
+                f"saved data state is for {state['num_prompts']} prompts but the prompt data has {len(self.items)}"
             )
         self.epoch, self.offset = state["epoch"], state["offset"]
         self._order = self._epoch_order(self.epoch)
 
 
+def prompt_sample(p: Prompt) -> Sample:
+    """A fresh Sample for prompt `p` (index and group index are set by the rollout)."""
+    return Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), tokens=list(p.input_ids))
+
+
 class RolloutDataSource:
-    """The built-in rollout data source: prompts from `--prompt-data`, handed out as groups of
-    `n_samples_per_prompt` Samples, plus a buffer of groups given back with `add_samples`
-    (custom code, or aborted groups of a partial rollout) that is served first.
+    """The built-in data source: `items` (Prompts, or SFT Conversations with
+    `to_sample=conversation_sample`) handed out as groups of `n_samples_per_prompt` Samples, plus a
+    buffer of groups given back with `add_samples`, served first (first in, first out, or as
+    `--buffer-filter-path` picks)."""
 
-    A `--data-source-path` class replaces it and implements the same four methods:
-    `get_samples(num_groups) -> list[list[Sample]]`, `add_samples(groups)`, `state_dict()`,
-    `load_state_dict(state)` (and `__len__` = number of prompts, when it has one, for --num-epoch).
-    """
-
-    def __init__(self, args, prompts: list[Prompt] | None = None):
-        from transformers import AutoTokenizer
-
-        from slime.data.dataset import load_prompts
-
+    def __init__(self, args, prompts: list | None = None, to_sample: Callable[[Any], Sample] = prompt_sample):
         self.args = args
         if prompts is None:
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompts = load_prompts(args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
                                    args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key)
-        self.prompts = DataSource(prompts, shuffle=args.rollout_shuffle, seed=args.rollout_seed)
-        self.buffer: list[list] = []
-        self.buffer_filter = None
-        if args.buffer_filter_path:
-            from slime.utils.hooks import load_function
-
-            self.buffer_filter = load_function(args.buffer_filter_path, "--buffer-filter-path")
+        self.prompts = PromptOrder(prompts, shuffle=args.rollout_shuffle, seed=args.rollout_seed)
+        self.to_sample = to_sample
+        self.buffer: list[list[Sample]] = []
+        self.buffer_filter = (load_function(args.buffer_filter_path, "--buffer-filter-path")
+                              if args.buffer_filter_path else None)
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def get_samples(self, num_groups: int) -> list[list]:
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
         groups = self._pop_buffer(num_groups)
         n = self.args.n_samples_per_prompt
-        for p in self.prompts.next_prompts(num_groups - len(groups)):
-            groups.append([prompt_sample(p) for _ in range(n)])
+        for p in self.prompts.take(num_groups - len(groups)):
+            groups.append([self.to_sample(p) for _ in range(n)])
         return groups
 
-    def _pop_buffer(self, num_groups: int) -> list[list]:
+    def _pop_buffer(self, num_groups: int) -> list[list[Sample]]:
         if not self.buffer:
             return []
         if self.buffer_filter is None:  # first in, first out
@@ -110,27 +138,31 @@ class RolloutDataSource:
         self.buffer = [g for g in self.buffer if id(g) not in ids]
         return taken
 
-    def add_samples(self, groups: list[list]) -> None:
+    def add_samples(self, groups: list[list[Sample]]) -> None:
         for g in groups:
             if not isinstance(g, list) or not g:
                 raise ValueError("add_samples takes a list of groups, each a non-empty list of Samples")
         self.buffer.extend(groups)
 
     def state_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {**self.prompts.state_dict(), "buffer": [[asdict(s) for s in g] for g in self.buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from slime.types import Sample, SampleStatus
-
         self.prompts.load_state_dict(state)
         self.buffer = [[Sample(**{**s, "status": SampleStatus(s["status"])}) for s in g]
                        for g in state.get("buffer", [])]
 
 
-def prompt_sample(p: Prompt):
-    """A fresh Sample for prompt `p` (index and group index are set by the rollout manager)."""
-    from slime.types import Sample
-
-    return Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), tokens=list(p.input_ids))
+def make_data_source(args, tokenizer) -> DataSource | None:
+    """The run's data source: the chat data of `--loss-type sft_loss`, a `--data-source-path` class,
+    the prompts of `--prompt-data`, or None when `--rollout-function-path` brings its own data."""
+    if args.loss_type == "sft_loss":
+        conversations = load_conversations(args.prompt_data, tokenizer, args.input_key, args.metadata_key)
+        return RolloutDataSource(args, conversations, to_sample=conversation_sample)
+    if args.data_source_path:
+        return load_function(args.data_source_path, "--data-source-path")(args)
+    if args.prompt_data is not None:
+        return RolloutDataSource(args, load_prompts(
+            args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
+            args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key))
+    return None

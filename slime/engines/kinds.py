@@ -79,9 +79,6 @@ class SGLangKind(EngineKind):
     def check(self, args):
         check_sglang_args(args)
 
-    def default_update_weights_mode(self, colocate):
-        return "distributed"
-
     def unsupported_mode_message(self, mode):
         # its /update_weights_from_tensor wants CUDA-IPC handles (not implemented here)
         return ("--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its "

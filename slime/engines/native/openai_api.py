@@ -34,7 +34,7 @@ from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
     SamplingParams,
-    _is_int,
+    is_int,
     check_prompt,
     parse_sampling_params,
 )
@@ -81,7 +81,7 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int | None) -> tuple
     if mt is None and max_tokens_key != "max_tokens":
         mt, max_tokens_key = body.get("max_tokens"), "max_tokens"
     if mt is not None:
-        if not _is_int(mt) or mt < 0:
+        if not is_int(mt) or mt < 0:
             raise ProtocolError(max_tokens_key, f"must be an integer >= 0, got {mt!r}")
         raw["max_new_tokens"] = mt
     sp = parse_sampling_params(raw, prefix="")
@@ -90,7 +90,7 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int | None) -> tuple
     n = body.get("n", 1)
     if n is None:
         n = 1
-    if not _is_int(n) or not (1 <= n <= MAX_N):
+    if not is_int(n) or not (1 <= n <= MAX_N):
         raise ProtocolError("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
     for k in ("return_token_ids", "echo"):
         v = body.get(k)
@@ -103,7 +103,7 @@ def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
     """OpenAI `prompt`: a string, a list of strings, a list of token ids or a list of lists."""
     if isinstance(prompt, str):
         items: list = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(x) for x in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(x) for x in prompt):
         items = [prompt]
     elif isinstance(prompt, list) and prompt:
         items = prompt
@@ -116,7 +116,7 @@ def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
             if not p:
                 raise ProtocolError(name, "must not be empty")
             out.append((name, tokenizer.encode(p)))
-        elif isinstance(p, list) and p and all(_is_int(x) and x >= 0 for x in p):
+        elif isinstance(p, list) and p and all(is_int(x) and x >= 0 for x in p):
             out.append((name, list(p)))
         else:
             raise ProtocolError(name, "must be a non-empty string or a non-empty list of non-negative token ids")
@@ -219,7 +219,7 @@ async def completions(request: web.Request) -> web.Response:
         raise ProtocolError("prompt", "is required")
     sp, n = _sampling(body, "max_tokens", 16)
     lp = body.get("logprobs")
-    if lp is not None and (not _is_int(lp) or not (0 <= lp <= 1)):
+    if lp is not None and (not is_int(lp) or not (0 <= lp <= 1)):
         raise ProtocolError("logprobs", f"must be 0 or 1 (the sampled token's log-prob; top alternatives are not "
                                         f"computed), got {lp!r}")
     model = _model_name(request, body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.engines.protocol_errors import ProtocolError, _is_int, _is_number
+from slime.engines.protocol.errors import ProtocolError, is_int, is_number
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -101,14 +101,14 @@ def parse_sampling_params(raw: Any, prefix: str = "sampling_params.") -> Samplin
     t = raw.get("temperature", 1.0)
     if t is None:
         t = 1.0
-    if not _is_number(t) or t < 0:
+    if not is_number(t) or t < 0:
         raise ProtocolError(prefix + "temperature", f"must be a finite number >= 0, got {t!r}")
     sp.temperature = float(t)
 
     p = raw.get("top_p", 1.0)
     if p is None:
         p = 1.0
-    if not _is_number(p) or not (0.0 < p <= 1.0):
+    if not is_number(p) or not (0.0 < p <= 1.0):
         raise ProtocolError(prefix + "top_p", f"must be a number in (0, 1], got {p!r}")
     sp.top_p = float(p)
 
@@ -117,14 +117,14 @@ def parse_sampling_params(raw: Any, prefix: str = "sampling_params.") -> Samplin
         k = -1
     if isinstance(k, float) and k.is_integer():
         k = int(k)
-    if not _is_int(k) or (k != -1 and k < 1):
+    if not is_int(k) or (k != -1 and k < 1):
         raise ProtocolError(prefix + "top_k", f"must be -1 (off) or an integer >= 1, got {k!r}")
     sp.top_k = k
 
     m = raw.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if m is None:
         m = DEFAULT_MAX_NEW_TOKENS
-    if not _is_int(m) or m < 0:
+    if not is_int(m) or m < 0:
         raise ProtocolError(prefix + "max_new_tokens", f"must be an integer >= 0, got {m!r}")
     sp.max_new_tokens = m
 
@@ -142,7 +142,7 @@ def parse_sampling_params(raw: Any, prefix: str = "sampling_params.") -> Samplin
     sti = raw.get("stop_token_ids")
     if sti is None:
         sti = []
-    if not isinstance(sti, list) or not all(_is_int(x) and x >= 0 for x in sti):
+    if not isinstance(sti, list) or not all(is_int(x) and x >= 0 for x in sti):
         raise ProtocolError(prefix + "stop_token_ids", "must be a list of non-negative integers")
     sp.stop_token_ids = list(sti)
 
@@ -153,7 +153,7 @@ def parse_sampling_params(raw: Any, prefix: str = "sampling_params.") -> Samplin
     _bool(raw, "spaces_between_special_tokens", True, prefix)
     seed_key = "seed" if raw.get("seed") is not None or raw.get("sampling_seed") is None else "sampling_seed"
     seed = raw.get(seed_key)
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         raise ProtocolError(prefix + seed_key, f"must be an integer or null, got {seed!r}")
     if seed is not None and not (-(2**63) <= seed < 2**64):
         raise ProtocolError(prefix + seed_key, "out of range for a 64-bit seed")

@@ -1,40 +1,6 @@
-"""The HTTP protocol slime speaks to inference engines: SGLang's native API.
+"""`POST /generate` of the engine protocol: the request (`GenerateInput`, `parse_generate_request`,
+`check_prompt`) and the response (`build_generate_response`, finish reasons)."""
 
-Pure functions (no torch, no aiohttp): request validation and response building for
-`POST /generate` and the control endpoints. The embedded native engine uses them on
-the server side; rollout code builds payloads of this shape and can send them to a
-real SGLang server, the native engine or a router in front of either.
-
-`POST /generate` body::
-
-    {"input_ids": [int, ...]  |  "text": str,
-     "sampling_params": {temperature, top_p, top_k, max_new_tokens, stop,
-                         stop_token_ids, ignore_eos, skip_special_tokens, seed,
-                         no_stop_trim},
-     "return_logprob": bool, "rid": str | None}
-
-Response::
-
-    {"text": str, "output_ids": [int, ...],
-     "meta_info": {"id": rid,
-                   "finish_reason": {"type": "stop" | "length" | "abort",
-                                     "matched": int | str | None, ["length": n]},
-                   "prompt_tokens": int, "completion_tokens": int,
-                   ["output_token_logprobs": [[logprob, token_id, None], ...]],
-                   "weight_version": str}}
-
-Log-prob definition: log-prob of the sampled token under
-`log_softmax(logits / T)` with `T = temperature if temperature > 0 else 1.0`,
-computed in fp32 before any top-k / top-p truncation.
-
-Validation errors raise `ProtocolError(field, message)`; servers answer them with
-HTTP 400 and `error_body(err)`.
-
-This module holds the `/generate` request and response; `protocol_sampling` (the
-sampling parameters), `protocol_control` (the control endpoints' bodies) and
-`protocol_errors` hold the rest. Every name is re-exported here: import from
-`slime.engines.protocol`.
-"""
 
 from __future__ import annotations
 
@@ -43,49 +9,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from slime.engines.protocol_control import (
-    MEMORY_TAGS,
-    WEIGHT_DTYPES,
-    parse_abort_request,
-    parse_bool_param,
-    parse_destroy_weights_update_group,
-    parse_init_weights_update_group,
-    parse_memory_tags,
-    parse_update_weights_from_disk,
-    parse_update_weights_from_distributed,
-    parse_weight_version,
-)
-from slime.engines.protocol_errors import ProtocolError, _is_int, error_body
-from slime.engines.protocol_sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams, parse_sampling_params
+from slime.engines.protocol.errors import ProtocolError, is_int
+from slime.engines.protocol.sampling import SamplingParams, parse_sampling_params
 
-__all__ = [
-    "DEFAULT_MAX_NEW_TOKENS",
-    "FINISH_ABORT",
-    "FINISH_LENGTH",
-    "FINISH_STOP",
-    "MEMORY_TAGS",
-    "WEIGHT_DTYPES",
-    "GenerateInput",
-    "ProtocolError",
-    "SamplingParams",
-    "build_generate_response",
-    "check_prompt",
-    "error_body",
-    "finish_abort",
-    "finish_length",
-    "finish_stop",
-    "parse_abort_request",
-    "parse_bool_param",
-    "parse_destroy_weights_update_group",
-    "parse_generate_request",
-    "parse_init_weights_update_group",
-    "parse_json_body",
-    "parse_memory_tags",
-    "parse_sampling_params",
-    "parse_update_weights_from_disk",
-    "parse_update_weights_from_distributed",
-    "parse_weight_version",
-]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -146,7 +72,7 @@ def _check_ids(ids: Any, name: str) -> list[int]:
     if not ids:
         raise ProtocolError(name, "must not be empty")
     for i, x in enumerate(ids):
-        if not _is_int(x) or x < 0:
+        if not is_int(x) or x < 0:
             raise ProtocolError(f"{name}[{i}]", f"must be a non-negative integer token id, got {x!r}")
     return ids
 
@@ -165,7 +91,7 @@ def parse_generate_request(body: Any) -> tuple[list[GenerateInput], bool]:
             continue
         if key in _NEUTRAL_TOP_KEYS:
             neutral = _NEUTRAL_TOP_KEYS[key]
-            if key == "logprob_start_len" and (value is None or (_is_int(value) and value in (-1, 0))):
+            if key == "logprob_start_len" and (value is None or (is_int(value) and value in (-1, 0))):
                 continue
             if value is None or value == neutral:
                 continue

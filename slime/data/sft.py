@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slime.data.dataset import _check_messages, _rows
+from slime.data.dataset import check_messages, read_rows
 from slime.types import Sample, SampleStatus
 from slime.utils.errors import DataError
 
@@ -92,13 +92,13 @@ def load_conversations(path: str | Path, tokenizer, input_key: str, metadata_key
     if not path.is_file():
         raise DataError(f"{path}: SFT data file does not exist")
     out = []
-    for where, row in _rows(path):
+    for where, row in read_rows(path):
         if input_key not in row:
             raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
         messages = row[input_key]
         if not isinstance(messages, list):
             raise DataError(f"{where}: field {input_key!r} must be a list of chat messages for --loss-type sft_loss")
-        _check_messages(where, input_key, messages)
+        check_messages(where, input_key, messages)
         metadata = (row.get(metadata_key) if metadata_key else None) or {}
         tokens, mask = tokenize_conversation(tokenizer, messages, where)
         out.append(Conversation(messages=messages, tokens=tokens, loss_mask=mask, metadata=metadata, where=where))
@@ -107,13 +107,9 @@ def load_conversations(path: str | Path, tokenizer, input_key: str, metadata_key
     return out
 
 
-def to_samples(conversations: list[Conversation]) -> list[Sample]:
-    """One Sample per conversation (group of one), in order; no reward."""
-    samples = []
-    for i, c in enumerate(conversations):
-        p = c.prompt_length
-        samples.append(Sample(
-            prompt=c.messages, metadata=dict(c.metadata), index=i, group_index=i, tokens=list(c.tokens),
-            response_length=len(c.tokens) - p, loss_mask=list(c.loss_mask[p:]), status=SampleStatus.COMPLETED,
-        ))
-    return samples
+def conversation_sample(c: Conversation) -> Sample:
+    """A conversation as a Sample: the tokens before the first assistant token are the prompt, the rest
+    the response, masked to the assistant turns; no reward (index and group index are set per rollout)."""
+    p = c.prompt_length
+    return Sample(prompt=c.messages, metadata=dict(c.metadata), tokens=list(c.tokens), response_length=len(c.tokens) - p,
+                  loss_mask=list(c.loss_mask[p:]), status=SampleStatus.COMPLETED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime.engines.protocol_errors import ProtocolError, _is_int
+from slime.engines.protocol.errors import ProtocolError, is_int
 
 
 def parse_abort_request(body: Any) -> tuple[str | None, bool]:
@@ -106,13 +106,13 @@ def parse_init_weights_update_group(body: Any) -> dict:
     if not isinstance(addr, str) or not addr:
         raise ProtocolError("master_address", "must be a non-empty host name or IP address")
     port = body.get("master_port")
-    if not _is_int(port) or not (1 <= port <= 65535):
+    if not is_int(port) or not (1 <= port <= 65535):
         raise ProtocolError("master_port", f"must be an integer port in [1, 65535], got {port!r}")
     world = body.get("world_size")
-    if not _is_int(world) or world < 2:
+    if not is_int(world) or world < 2:
         raise ProtocolError("world_size", f"must be an integer >= 2 (the trainer plus the engines), got {world!r}")
     rank = body.get("rank_offset")
-    if not _is_int(rank) or not (1 <= rank < world):
+    if not is_int(rank) or not (1 <= rank < world):
         raise ProtocolError("rank_offset", f"must be an integer in [1, world_size) (rank 0 is the trainer), got {rank!r}")
     backend = body.get("backend", "nccl")
     if backend is None:
@@ -146,7 +146,7 @@ def parse_update_weights_from_distributed(body: Any) -> dict:
     if not isinstance(shapes, list) or len(shapes) != len(names):
         raise ProtocolError("shapes", "must be a list with one shape per name")
     for i, s in enumerate(shapes):
-        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
+        if not isinstance(s, list) or not all(is_int(x) and x >= 0 for x in s):
             raise ProtocolError(f"shapes[{i}]", f"must be a list of non-negative integers, got {s!r}")
     lf = body.get("load_format")
     if lf not in (None, "auto"):
