@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from slime.engines.kinds import engine_kind
 from slime.utils.errors import SlimeConfigError
+from slime.utils.hooks import load_function
 
 if TYPE_CHECKING:
     from slime.arguments import Args
@@ -61,7 +64,6 @@ def validate_custom_rollout(args: Args) -> None:
     require(args.rm_max_retries >= 0, f"--rm-max-retries must be >= 0, got {args.rm_max_retries}")
     require(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
     require(not args.group_rm or args.custom_rm_path, "--group-rm needs --custom-rm-path (a group reward function)")
-    from slime.utils.hooks import load_function
 
     for flag in ("rollout_function_path", "custom_generate_function_path", "custom_rm_path", "data_source_path",
                  "buffer_filter_path", "rollout_sample_filter_path", "eval_function_path"):
@@ -75,8 +77,6 @@ def validate_custom_rollout(args: Args) -> None:
 
 
 def _load_custom_config(args: Args, path: str) -> dict:
-    import yaml
-
     require(Path(path).is_file(), f"--custom-config-path: file {path} does not exist")
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
@@ -164,7 +164,6 @@ def validate_algorithm(args: Args) -> None:
             f"--tis-clip-low must be in [0, --tis-clip {args.tis_clip}), got {args.tis_clip_low}")
     require(args.custom_tis_function_path is None or args.use_tis,
             "--custom-tis-function-path has no effect without --use-tis")
-    from slime.utils.hooks import load_function
 
     for flag in ("custom_loss_function_path", "custom_advantage_function_path", "custom_tis_function_path",
                  "custom_reward_post_process_path", "dynamic_sampling_filter_path"):

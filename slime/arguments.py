@@ -30,6 +30,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_engines,
     validate_megatron,
 )
+from slime.data.dataset import count_rows, split_slice
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES
 from slime.utils.errors import SlimeConfigError
 
@@ -493,8 +494,6 @@ def validate(args: Args) -> Args:
         "one of --num-rollout or --num-epoch is required",
     )
     if args.num_rollout is None:
-        from slime.data.dataset import count_rows
-
         require(args.num_epoch >= 1, f"--num-epoch must be >= 1, got {args.num_epoch}")
         require(args.prompt_data is not None, "--num-epoch needs --prompt-data (use --num-rollout)")
         args.num_rollout = max(1, args.num_epoch * count_rows(args.prompt_data) // args.rollout_batch_size)
@@ -509,8 +508,6 @@ def validate(args: Args) -> Args:
 
 
 def _data_file(spec: str) -> Path:
-    from slime.data.dataset import split_slice
-
     return split_slice(spec)[0]
 
 

@@ -12,6 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+
 from slime.utils.errors import SlimeError, run_main
 
 # panel name -> (title, [(metric key or prefix*, label)])
@@ -59,11 +64,6 @@ def series(records: list[dict], key: str) -> dict[str, tuple[list[float], list[f
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     out_dir = Path(out_dir) if out_dir else run_dir / "plots"

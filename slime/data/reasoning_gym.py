@@ -21,6 +21,8 @@ import argparse
 import json
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from slime.data.dataset import Prompt, render_prompt
 from slime.data.source import RolloutDataSource
 from slime.utils.errors import SlimeConfigError
@@ -31,7 +33,7 @@ DEFAULT_INSTRUCTION = ""
 def make_rows(dataset: str, size: int, seed: int, instruction: str = DEFAULT_INSTRUCTION,
               config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """`size` problems of a reasoning-gym dataset as rows {prompt, label, metadata}."""
-    import reasoning_gym
+    import reasoning_gym  # heavy task library (~1 s to import): only when its data is used
 
     try:
         ds = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **(config or {}))
@@ -54,8 +56,6 @@ class ReasoningGymDataSource(RolloutDataSource):
     """`--data-source-path slime.data.reasoning_gym.ReasoningGymDataSource` (see the module doc)."""
 
     def __init__(self, args):
-        from transformers import AutoTokenizer
-
         spec = getattr(args, "reasoning_gym", None)
         if not isinstance(spec, dict) or not isinstance(spec.get("datasets"), dict) or not spec["datasets"]:
             raise SlimeConfigError("ReasoningGymDataSource needs --custom-config-path with a 'reasoning_gym' "

@@ -13,6 +13,8 @@ import math
 import os
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb_config: dict | None = None):
@@ -24,12 +26,10 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self._tb = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
         self._wandb = None
         if wandb_config is not None:
-            import wandb
+            import wandb  # optional: only with --use-wandb
 
             self._wandb = wandb.init(dir=str(self.output_dir), **wandb_config)
 

@@ -21,10 +21,10 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.utils.threads import cpu_threads
-from slime.training.actor import TrainActor
 from slime.ray.calls import first_line
+from slime.training.actor import TrainActor
 from slime.utils.errors import RunFailure, SlimeError
+from slime.utils.threads import cpu_threads
 
 MASTER_ADDR = "127.0.0.1"
 

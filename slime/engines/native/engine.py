@@ -32,6 +32,8 @@ import uuid
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
 from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook
@@ -41,8 +43,10 @@ from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
     SamplingParams,
+    check_prompt,
     finish_abort,
     finish_length,
+    parse_sampling_params,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,8 +74,6 @@ class NativeEngine(EngineWeights):
         max_prefill_tokens: int = 16384,
         max_total_tokens: int | None = None,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model path {model_path!r} is not a directory")
         if dtype not in _DTYPES:
@@ -88,7 +90,6 @@ class NativeEngine(EngineWeights):
         self.random_seed = random_seed
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        import transformers
 
         major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
@@ -220,8 +221,6 @@ class NativeEngine(EngineWeights):
         timeout: float | None = 600.0,
     ) -> GenerationResult:
         """Blocking convenience wrapper around `submit` (for in-process use and tests)."""
-        from slime.engines.protocol import check_prompt, parse_sampling_params
-
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else parse_sampling_params(sampling_params)
         check_prompt(list(input_ids), self.vocab_size, self.max_context_length)
         self.check_fits(list(input_ids), sp)

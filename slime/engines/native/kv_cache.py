@@ -22,7 +22,10 @@ Growth and compaction, all within the token budget (`limit`, rows x columns allo
 
 from __future__ import annotations
 
+import psutil
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 GROW = 32  # columns added at a time
 
@@ -55,8 +58,6 @@ class BatchKV:
     # ------------------------------------------------------------------ forward
     def hf_cache(self, num_layers: int):
         """A `transformers.DynamicCache` over these buffers for one forward."""
-        from transformers import DynamicCache
-
         cache = DynamicCache()
         cache.layers = [_buffer_layer(self, i) for i in range(num_layers)]
         return cache
@@ -219,8 +220,6 @@ def default_max_total_tokens(bytes_per_token: int, cap: int, device: torch.devic
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
         else:
-            import psutil
-
             free = psutil.virtual_memory().available
     except Exception:  # noqa: BLE001
         free = 4 << 30
@@ -235,8 +234,6 @@ def _buffer_layer(kv: BatchKV, index: int):
     the buffers (its own `keys`/`values` tensors stay empty)."""
     global _layer_class
     if _layer_class is None:
-        from transformers.cache_utils import DynamicLayer
-
         class BufferLayer(DynamicLayer):
             def __init__(self, kv: BatchKV, index: int):
                 super().__init__()

@@ -34,8 +34,8 @@ from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
     SamplingParams,
-    is_int,
     check_prompt,
+    is_int,
     parse_sampling_params,
 )
 from slime.engines.serving import read_json

@@ -8,12 +8,20 @@ scheduler steps (under `NativeEngine._exclusive`).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from slime.engines.native.weight_group import destroy_group, new_group
 from slime.engines.protocol import ProtocolError
+from slime.utils.weights import tensor_digest
 
 
 class EngineWeights:
@@ -41,16 +49,12 @@ class EngineWeights:
 
     def weights_checksum(self) -> dict[str, str]:
         """{parameter name: sha256 of its bytes} for every parameter (tied ones once), between steps."""
-        from slime.utils.weights import tensor_digest
-
         self._check_weights_resident()
         with self._exclusive():
             return {name: tensor_digest(p) for name, p in self.model.named_parameters()}
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Load every *.safetensors file of a Hugging Face directory in place."""
-        from safetensors.torch import load_file
-
         path = Path(model_path)
         if not path.is_dir():
             raise ProtocolError("model_path", f"{model_path!r} is not a directory")
@@ -93,8 +97,6 @@ class EngineWeights:
         Blocks until every rank has joined (the trainer joins concurrently). The group is
         private to the trainer and the engines, built the way SGLang's engines build it
         (`slime.engines.native.weight_group`), without torch.distributed's default group."""
-        from slime.engines.native.weight_group import new_group
-
         if group_name in self._groups:
             raise ProtocolError("group_name", f"a weight update group named {group_name!r} already exists")
         if backend == "nccl" and self.device.type != "cuda":
@@ -104,8 +106,6 @@ class EngineWeights:
         self._groups[group_name] = (pg, rank_offset, world_size, backend, store)
 
     def destroy_weights_update_group(self, group_name: str) -> bool:
-        from slime.engines.native.weight_group import destroy_group
-
         entry = self._groups.pop(group_name, None)
         if entry is not None:
             destroy_group(entry[0])
@@ -169,10 +169,6 @@ class EngineWeights:
         return sorted(self._released)
 
     def _stash_weights(self):
-        import tempfile
-
-        from safetensors.torch import save_file
-
         params = dict(self.model.named_parameters())  # tied weights once
         if self.device.type == "cuda":
             stash = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
@@ -194,25 +190,19 @@ class EngineWeights:
             for n, p in params.items():
                 p.data = data[n].to(self.device)
             return
-        from safetensors import safe_open
 
         with safe_open(data, framework="pt") as f:
             for n, p in params.items():
                 t = f.get_tensor(n)
                 p.data = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t)
-        import shutil
 
         shutil.rmtree(os.path.dirname(data), ignore_errors=True)
 
 
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps them otherwise)."""
-    import gc
-
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

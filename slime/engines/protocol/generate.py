@@ -12,7 +12,6 @@ from typing import Any
 from slime.engines.protocol.errors import ProtocolError, is_int
 from slime.engines.protocol.sampling import SamplingParams, parse_sampling_params
 
-
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"

@@ -16,6 +16,9 @@ import inspect
 from typing import Callable
 
 from slime.rollout.rewards.math import math_reward
+from slime.rollout.rewards.reasoning_gym import reasoning_gym_reward
+from slime.rollout.rewards.remote import RemoteReward
+from slime.utils.hooks import load_function
 
 
 def exact_reward(response: str, label) -> float:
@@ -66,15 +69,9 @@ def _on_response(fn: Callable[[str, object], float]) -> Callable:
 def build_reward(args) -> RewardFunction:
     """The run's reward: --custom-rm-path, else --rm-type (remote_rm uses --rm-url)."""
     if args.custom_rm_path:
-        from slime.utils.hooks import load_function
-
         return RewardFunction(load_function(args.custom_rm_path, "--custom-rm-path"), group=args.group_rm)
     if args.rm_type == "remote_rm":
-        from slime.rollout.rewards.remote import RemoteReward
-
         return RewardFunction(RemoteReward(args.rm_url, args.rm_timeout, args.rm_max_retries), name="remote_rm")
     if args.rm_type == "reasoning_gym":
-        from slime.rollout.rewards.reasoning_gym import reasoning_gym_reward
-
         return RewardFunction(reasoning_gym_reward)
     return RewardFunction(_on_response(get_reward_function(args.rm_type)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from math_verify import parse, verify
+
 
 class _NoTimeoutWarning(logging.Filter):
     # math-verify warns on every call when its signal-based timeouts are off; slime
@@ -18,8 +20,6 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 
 def _parse(text: str):
-    from math_verify import parse
-
     return parse(text, parsing_timeout=None)
 
 
@@ -30,8 +30,6 @@ def math_reward(response: str, label) -> float:
     LaTeX both parse); the response is parsed the way math-verify parses model output
     (boxed answers first, then the last number or expression).
     """
-    from math_verify import verify
-
     gold = _parse(f"${label}$")
     if not gold:
         gold = _parse(str(label))

@@ -14,13 +14,13 @@ import functools
 
 @functools.lru_cache(maxsize=None)
 def _scorer(name: str):
-    import reasoning_gym
+    import reasoning_gym  # heavy task library (~1 s to import): only for --rm-type reasoning_gym
 
     return reasoning_gym.get_score_answer_fn(name)
 
 
 def extract_answer(response: str) -> str:
-    from reasoning_gym.utils import extract_answer as rg_extract
+    from reasoning_gym.utils import extract_answer as rg_extract  # heavy: see _scorer
 
     found = rg_extract(response)
     return found if found is not None else response.strip()
