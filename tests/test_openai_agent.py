@@ -4,13 +4,13 @@ model's tokens (slime.rollout.openai_agent), against a real native engine server
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
 from slime.rollout.openai_agent import RecordedCall, RecorderError, TrajectoryRecorder, run_agent
 from slime.types import Sample, SampleStatus
 from tests._native_server import native_server
+from tests.helpers.args import make_args
 
 openai = pytest.importorskip("openai")
 
@@ -140,7 +140,7 @@ def test_dropped_special_token_splits_the_episode(server, tokenizer):
         assert s.rollout_log_probs == call.log_probs
 
 
-def test_rewritten_history_starts_a_new_sample(server, tokenizer):
+def test_rewritten_history_starts_a_new_sample(server, tokenizer, tiny_model_dir, tmp_path):
     url, _ = server
     sample = Sample(prompt=[{"role": "user", "content": "what is 2 plus 2 ?"}], index=0, group_index=0)
 
@@ -157,7 +157,7 @@ def test_rewritten_history_starts_a_new_sample(server, tokenizer):
         return [x.choices[0].message.content for x in (a, b, c)]
 
     async def main():
-        args = SimpleNamespace(hf_checkpoint="m", rollout_request_timeout=60.0)
+        args = make_args(tiny_model_dir, tmp_path, "--rollout-request-timeout", 60)
         return await run_agent(agent, args, sample, dict(PARAMS, max_new_tokens=50), base_url=url + "/v1",
                                tokenizer=tokenizer)
 
@@ -177,7 +177,7 @@ def test_rewritten_history_starts_a_new_sample(server, tokenizer):
     assert a.response == tokenizer.decode(a.response_tokens, skip_special_tokens=False)
 
 
-def test_agent_error_after_a_call_keeps_the_episode(server, tokenizer):
+def test_agent_error_after_a_call_keeps_the_episode(server, tokenizer, tiny_model_dir, tmp_path):
     url, _ = server
     sample = Sample(prompt=[{"role": "user", "content": "what is 2 plus 2 ?"}])
 
@@ -188,7 +188,7 @@ def test_agent_error_after_a_call_keeps_the_episode(server, tokenizer):
     async def failing_first(client, model, sample):
         raise RuntimeError("no call")
 
-    args = SimpleNamespace(hf_checkpoint="m", rollout_request_timeout=60.0)
+    args = make_args(tiny_model_dir, tmp_path, "--rollout-request-timeout", 60)
     [s] = asyncio.run(run_agent(agent, args, sample, PARAMS, base_url=url + "/v1", tokenizer=tokenizer))
     assert s.metadata["agent_error"] == "RuntimeError: tool crashed" and s.metadata["agent_result"] is None
     assert s.loss_mask == [1] * s.response_length and 1 <= s.response_length <= 2

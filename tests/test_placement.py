@@ -4,13 +4,13 @@ there is; rank i lands on bundle i; engines share the ranks' bundles only with -
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 import ray
 
 from slime.ray import placement
 from slime.utils.errors import SlimeError
+from tests.helpers.args import make_args
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +23,17 @@ def fake_gpu_ray():
         ray.shutdown()
 
 
-def _args(dp, rollout, colocate=False, per_engine=1):
-    return SimpleNamespace(dp_size=dp, colocate=colocate, rollout_num_gpus=rollout,
-                           rollout_num_gpus_per_engine=per_engine, num_engines=rollout // per_engine)
+@pytest.fixture
+def placement_args(tiny_model_dir, tmp_path):
+    def build(dp, rollout, colocate=False):
+        flags = ["--actor-num-gpus-per-node", dp, "--rollout-num-gpus", rollout, "--rollout-batch-size", dp]
+        return make_args(tiny_model_dir, tmp_path, *flags, *(["--colocate"] if colocate else []))
+
+    return build
 
 
-def test_more_gpus_than_exist_fails_fast_with_numbers(fake_gpu_ray):
+def test_more_gpus_than_exist_fails_fast_with_numbers(fake_gpu_ray, placement_args):
+    _args = placement_args
     assert placement.use_gpus()
     start = time.monotonic()
     with pytest.raises(SlimeError) as ei:
@@ -53,8 +58,8 @@ class Probe:
 
 
 @pytest.mark.parametrize("colocate", [True, False])
-def test_rank_i_lands_on_bundle_i(fake_gpu_ray, colocate):
-    args = _args(dp=2, rollout=2 if colocate else 0, colocate=colocate) if colocate else _args(dp=1, rollout=1)
+def test_rank_i_lands_on_bundle_i(fake_gpu_ray, colocate, placement_args):
+    args = placement_args(dp=2, rollout=2, colocate=True) if colocate else placement_args(dp=1, rollout=1)
     p = placement.create(args)
     try:
         n_actor = args.dp_size

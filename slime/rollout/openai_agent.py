@@ -252,10 +252,9 @@ async def run_agent(agent: Agent, args, sample: Sample, sampling_params: dict, *
         ctx = context()
         base_url = base_url or ctx.openai_base_url
         tokenizer = tokenizer if tokenizer is not None else ctx.tokenizer
-    budget = sampling_params.get("max_new_tokens") or getattr(args, "rollout_max_response_len", None)
-    recorder = TrajectoryRecorder(base_url, sampling_params, model=str(getattr(args, "hf_checkpoint", "default")),
-                                  max_response_len=budget,
-                                  timeout=float(getattr(args, "rollout_request_timeout", 600.0) or 600.0))
+    budget = sampling_params.get("max_new_tokens") or args.rollout_max_response_len
+    recorder = TrajectoryRecorder(base_url, sampling_params, model=str(args.hf_checkpoint),
+                                  max_response_len=budget, timeout=float(args.rollout_request_timeout))
     error = None
     async with recorder:
         try:
