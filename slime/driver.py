@@ -36,9 +36,9 @@ class Run:
         pgs = placement.create(args)
 
         # Rollout: data source, engines, rewards (max_concurrency=2: progress polls and control calls
-        # answer while a generate call is in flight).
+        # answer while a generate call is in flight). The engines start while the train ranks do.
         self.rollout = ray.remote(num_cpus=0, max_concurrency=2)(RolloutManager).remote(args, pgs)
-        self.engine_urls = get(self.rollout.init.remote(), "start-up", "RolloutManager", args.stage_timeout)
+        rollout_ready = self.rollout.init.remote()
 
         # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
         bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
@@ -46,6 +46,7 @@ class Run:
         self.actor = (NoTraining() if args.debug_rollout_only  # generate and score only
                       else TrainGroup(args, role="actor", bundles=bundles, critic=critic))
         self.actor.init()
+        self.engine_urls = get(rollout_ready, "start-up", "RolloutManager", args.stage_timeout)
         if args.use_fault_tolerance and self.engine_urls:  # a restarted engine gets the trainer's weights
             ray.get(self.rollout.attach_trainer.remote(self.actor))
         self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)

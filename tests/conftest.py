@@ -4,12 +4,24 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+E2E = Path(__file__).parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Everything under tests/e2e/ is an end-to-end run (marker `e2e`, excluded from the default run)."""
+    for item in items:
+        if E2E in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """A tiny random Llama model + locally trained tokenizer (HF directory)."""
+    """A tiny random Llama model + locally trained tokenizer (HF directory), shared by every test."""
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))

@@ -16,7 +16,7 @@ import torch
 
 from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
 from slime.engines.sglang import broadcast_layout
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 
 # ----------------------------------------------------------------- captured from SGLang 0.5.23
 # Field names of the request structs in sglang/srt/managers/io_struct.py (BaseReq adds rid and

@@ -18,7 +18,7 @@ import pytest
 
 from slime.engines.control import Route
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SLIME = ROOT / "slime"
 OPTIONAL = {"megatron", "vllm", "sglang", "wandb", "reasoning_gym"}
 

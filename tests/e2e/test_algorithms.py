@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from _e2e import records, run  # noqa: E402
+from tests.helpers.e2e import records, run  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

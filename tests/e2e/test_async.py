@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from _e2e import records, run
-from test_e2e import task  # noqa: F401  (task is a fixture)
+from tests.helpers.e2e import records, run
 
 pytestmark = pytest.mark.e2e
 

@@ -9,23 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _e2e import ROOT, records, run
+from tests.helpers.e2e import ROOT, records, run
 
-sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from tiny_task import make_tiny_task
-
-    from slime.utils.tiny_model import build_tiny_model
-
-    work = tmp_path_factory.mktemp("colocate")
-    model = build_tiny_model(work / "model", seed=0)
-    train, _ = make_tiny_task(work / "data", seed=0)
-    return {"model": str(model), "train": str(train), "work": work}
 
 
 def cmd(task, out, save, *extra, model=None):

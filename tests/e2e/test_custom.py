@@ -7,8 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from _e2e import records, run
-from test_e2e import shape_cmd, task  # noqa: F401  (task is a fixture)
+from tests.helpers.e2e import records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
 

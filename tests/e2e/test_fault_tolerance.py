@@ -16,27 +16,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _e2e import ROOT, driver_env, records
 
-from slime.engines.client import EngineError, get_json
+from tests.helpers.e2e import ROOT, driver_env, records
 
-sys.path.insert(0, str(ROOT / "examples"))
+from slime.engines.control import EngineControl, EngineError
+
 
 pytestmark = pytest.mark.e2e
 
 NUM_ROLLOUT = 4
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from tiny_task import make_tiny_task
-
-    from slime.utils.tiny_model import build_tiny_model
-
-    work = tmp_path_factory.mktemp("ft")
-    model = build_tiny_model(work / "model", seed=0)
-    train, _ = make_tiny_task(work / "data", seed=0)
-    return {"model": str(model), "train": str(train)}
 
 
 def train_cmd(task, out_dir, driver="train.py"):
@@ -63,7 +51,7 @@ def engine_pid(url: str) -> int:
 
 def info(url: str) -> dict | None:
     try:
-        return get_json(url, "/get_server_info", timeout=2)
+        return EngineControl(url, timeout=2).server_info()
     except EngineError:
         return None
 
@@ -72,14 +60,14 @@ def checksums_equal(a: str, b: str) -> bool | None:
     """Whether the two engines serve identical weights (None: cannot tell right now, e.g. a push is
     in progress between the reads)."""
     try:
-        va = get_json(a, "/get_weight_version", timeout=5)["weight_version"]
-        vb = get_json(b, "/get_weight_version", timeout=5)["weight_version"]
+        va = EngineControl(a, timeout=5).weight_version()
+        vb = EngineControl(b, timeout=5).weight_version()
         if va != vb:
             return None
-        ca = get_json(a, "/weights_checksum", timeout=30)["checksums"]
-        cb = get_json(b, "/weights_checksum", timeout=30)["checksums"]
-        if get_json(a, "/get_weight_version", timeout=5)["weight_version"] != va or \
-                get_json(b, "/get_weight_version", timeout=5)["weight_version"] != vb:
+        ca = EngineControl(a, timeout=30).weights_checksum()
+        cb = EngineControl(b, timeout=30).weights_checksum()
+        if EngineControl(a, timeout=5).weight_version() != va or \
+                EngineControl(b, timeout=5).weight_version() != vb:
             return None
         return ca == cb
     except EngineError:

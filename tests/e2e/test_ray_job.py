@@ -13,26 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests._ray_cluster import HeadNode, ray_env
+from tests.helpers.ray_cluster import HeadNode, ray_env
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
 EXCLUDES = [".venv", ".git", "outputs", "*.egg-info", "__pycache__", ".pytest_cache"]
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from tiny_task import make_tiny_task
-
-    from slime.utils.tiny_model import build_tiny_model
-
-    work = tmp_path_factory.mktemp("job")
-    model = build_tiny_model(work / "model", seed=0)
-    train, _ = make_tiny_task(work / "data", seed=0)
-    return {"model": str(model), "train": str(train)}
 
 
 def test_ray_job_submit_train(task, tmp_path):

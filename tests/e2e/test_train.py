@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from _e2e import ROOT, records, run
+from tests.helpers.e2e import records, run, shape_cmd
 
-sys.path.insert(0, str(ROOT / "examples"))
 
 pytestmark = pytest.mark.e2e
 
@@ -18,30 +17,6 @@ TRAIN_KEYS = [
     "train/entropy_loss", "train/pg_clipfrac", "train/grad_norm", "train/train_rollout_logprob_abs_diff",
     "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
 ]
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from tiny_task import make_tiny_task
-
-    from slime.utils.tiny_model import build_tiny_model
-
-    work = tmp_path_factory.mktemp("e2e")
-    model = build_tiny_model(work / "model", seed=0)
-    train, evaluation = make_tiny_task(work / "data", seed=0)
-    return {"model": str(model), "train": str(train), "eval": str(evaluation), "work": work}
-
-
-def shape_cmd(task, out_dir, *extra):
-    """The seed's quick-start shape with small numbers."""
-    return [
-        sys.executable, "train.py", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
-        "--rollout-num-gpus", "1", "--advantage-estimator", "grpo", "--use-kl-loss", "--kl-loss-coef", "0.001",
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
-        "--num-rollout", "3", "--prompt-data", task["train"], "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--hf-checkpoint", task["model"], "--rollout-max-response-len", "4",
-        "--lr", "1e-3", "--micro-batch-size", "4", "--output-dir", str(out_dir), *extra,
-    ]
 
 
 def test_quickstart_tiny_reward_rises(tmp_path):

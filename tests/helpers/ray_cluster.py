@@ -36,6 +36,11 @@ class HeadNode:
         self.num_cpus = num_cpus
 
     @property
+    def address(self) -> str:
+        """The GCS address a driver joins (RAY_ADDRESS)."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 

@@ -1,10 +1,10 @@
 """benchmarks/decode_step.py: the record it writes is consistent (tiny model, a few steps)."""
 
 import json
-import os
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 
 def test_decode_step_record(tmp_path):

@@ -250,7 +250,7 @@ def test_wait_until_healthy_failures():
 
 @pytest.fixture(scope="module")
 def native_server(tiny_model_dir, tmp_path_factory):
-    from tests._native_server import native_server as serve
+    from tests.helpers.native_server import native_server as serve
 
     with serve(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log") as (url, _):
         yield url

@@ -18,7 +18,7 @@ import torch
 from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json
 from slime.engines.native.engine import NativeEngine
 from slime.engines.protocol import ProtocolError
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 
 PROMPTS = ["What is 12 - 3? Answer:", "1 + 1 = 2.", "please reply with only the final result", "7"]
 

@@ -14,7 +14,7 @@ from slime.engines.client import EngineError, get_json, post_json
 from slime.engines.native.engine import NativeEngine, peak_kv_tokens
 from slime.engines.protocol import GenerateInput, ProtocolError, parse_sampling_params
 from slime.utils.weights import compare_digests
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 
 
 def _submit_many(engine, prompts, sp):

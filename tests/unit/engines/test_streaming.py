@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from slime.engines.client import get_json, post_json
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 
 openai = pytest.importorskip("openai")
 

@@ -37,7 +37,7 @@ from slime.engines.vllm.translate import (
 )
 from slime.utils.errors import SlimeConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------- command lines
@@ -568,7 +568,7 @@ def test_vllm_adapter_logprobs_and_weight_update(vllm_installed, e2e_model, tmp_
 @pytest.mark.e2e
 def test_grpo_run_on_vllm(vllm_installed, e2e_model, tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
-    from _e2e import records, run
+    from tests.helpers.e2e import records, run
     from tiny_task import make_tiny_task
 
     train, _ = make_tiny_task(tmp_path / "data", seed=0)

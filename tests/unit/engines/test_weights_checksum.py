@@ -34,7 +34,7 @@ def test_check_engine_weights_over_http(tiny_model_dir, tmp_path):
 
     from slime.engines.client import post_bytes
     from slime.training.weight_sync import check_engine_weights
-    from tests._native_server import native_server
+    from tests.helpers.native_server import native_server
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     named = list(reference.named_parameters())

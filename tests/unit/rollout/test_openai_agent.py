@@ -9,7 +9,7 @@ import pytest
 
 from slime.rollout.openai_agent import RecordedCall, RecorderError, TrajectoryRecorder, run_agent
 from slime.types import Sample, SampleStatus
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 from tests.helpers.args import make_args
 
 openai = pytest.importorskip("openai")

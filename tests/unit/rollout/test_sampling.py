@@ -14,7 +14,7 @@ from slime.rollout.rewards import RewardFunction
 from slime.types import Sample, SampleStatus
 from tests.helpers.args import make_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class FakeEngines:

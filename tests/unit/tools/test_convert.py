@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 SAVE = textwrap.dedent("""
     import json, socket, sys

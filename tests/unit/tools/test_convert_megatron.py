@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_tool(name, *argv):

@@ -148,7 +148,7 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     from slime.engines.client import get_json
     from slime.training.weight_push import WeightPusher
     from slime.utils.weights import tensor_digest
-    from tests._native_server import native_server
+    from tests.helpers.native_server import native_server
     from transformers import AutoModelForCausalLM
 
     args = _args(tiny_model_dir, data_file, "--update-weights-mode", mode, "--update-weight-buffer-size", "256KiB")

@@ -17,7 +17,7 @@ from test_fsdp_trainer import (  # noqa: E402
 
 from slime.utils.errors import SlimeConfigError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
 
 
@@ -299,7 +299,7 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
 @pytest.mark.e2e
 def test_train_py_grpo_with_megatron(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
-    from _e2e import records, run
+    from tests.helpers.e2e import records, run
     from test_e2e import shape_cmd
     from tiny_task import make_tiny_task
 

@@ -8,7 +8,7 @@ import torch
 
 from slime.engines.client import EngineError, get_json, post_json
 from slime.utils.weights import compare_digests, tensor_digest
-from tests._native_server import native_server
+from tests.helpers.native_server import native_server
 
 
 @pytest.fixture(scope="module")
