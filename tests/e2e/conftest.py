@@ -26,3 +26,16 @@ def shared_ray_cluster():
 def task(tiny_model_dir, tmp_path_factory):
     """The tiny model with the tiny task's train and eval data: {model, train, eval, work}."""
     return e2e.make_task(tiny_model_dir, tmp_path_factory.mktemp("e2e_task"))
+
+
+@pytest.fixture(scope="session")
+def reference_run(task, tmp_path_factory):
+    """One run of the quick-start shape (`REFERENCE_FLAGS` of tests.helpers.e2e: seed 7, 4 rollouts, every weight push
+    checked bit for bit) that saves its scored rollouts; the determinism, exact-resume and replay
+    tests compare their runs with it. {"out": its output dir, "rollouts": the saved rollouts' path
+    pattern, "stdout": what it printed}."""
+    work = tmp_path_factory.mktemp("reference")
+    rollouts = str(work / "rollouts" / "rollout_{rollout_id}.json")
+    proc = e2e.run(e2e.shape_cmd(task, work / "out", *e2e.REFERENCE_FLAGS, "--save-debug-rollout-data", rollouts))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"out": work / "out", "rollouts": rollouts, "stdout": proc.stdout}

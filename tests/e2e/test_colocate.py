@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.e2e import ROOT, records, run
-
+from tests.helpers.e2e import records, run
 
 pytestmark = pytest.mark.e2e
 

@@ -1,21 +1,22 @@
 """Debug modes: rollout-only runs, saved rollouts replayed without engines, weight-sync checks."""
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers.e2e import records, run, shape_cmd
+from tests.helpers.e2e import REFERENCE_SHAPE, records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
 
 
-def test_replayed_rollouts_train_exactly_like_the_live_run(task, tmp_path):
-    saved = str(tmp_path / "rollouts" / "rollout_{rollout_id}.json")
-    live, replay = tmp_path / "live", tmp_path / "replay"
-    proc = run(shape_cmd(task, live, "--num-rollout", "2", "--save-debug-rollout-data", saved,
-                         "--check-weight-update-equal"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["rollout_0.json", "rollout_1.json"]
+def test_replayed_rollouts_train_exactly_like_the_live_run(task, reference_run, tmp_path):
+    """The reference run saved its scored rollouts (--save-debug-rollout-data) and checked every
+    weight push (--check-weight-update-equal); trained on those rollouts without engines, the
+    trainer gives exactly the same training metrics."""
+    saved, live, replay = reference_run["rollouts"], reference_run["out"], tmp_path / "replay"
+    assert sorted(p.name for p in Path(saved).parent.iterdir()) == [f"rollout_{i}.json" for i in range(4)]
 
-    proc = run(shape_cmd(task, replay, "--num-rollout", "2", "--load-debug-rollout-data", saved))
+    proc = run(shape_cmd(task, replay, *REFERENCE_SHAPE, "--load-debug-rollout-data", saved))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 engine(s)" in proc.stdout
     for a, b in zip(records(live), records(replay), strict=True):

@@ -17,10 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.e2e import ROOT, driver_env, records
-
 from slime.engines.control import EngineControl, EngineError
-
+from tests.helpers.e2e import ROOT, driver_env, records
 
 pytestmark = pytest.mark.e2e
 

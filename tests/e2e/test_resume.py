@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.helpers.e2e import ROOT, records, run, shape_cmd
+from tests.helpers.e2e import REFERENCE_FLAGS, ROOT, driver_env, records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -20,18 +20,28 @@ def comparable(recs):
             for r in recs if "trained_rollouts" not in r}
 
 
-def test_resumed_run_matches_uninterrupted_run(task, tmp_path):
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    proc = run(shape_cmd(task, whole, "--num-rollout", "4"))
+def test_resumed_run_matches_uninterrupted_run(task, reference_run, tmp_path):
+    """Save after rollouts 0 and 1, stop, resume with --load: rollouts 2 and 3 are those of the
+    uninterrupted reference run, and the checkpoints are laid out as documented."""
+    part, ckpt = tmp_path / "part", tmp_path / "ckpt"
+    flags = [*REFERENCE_FLAGS, "--save", str(ckpt), "--save-interval", "1"]
+    proc = run(shape_cmd(task, part, *flags, "--num-rollout", "2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run(shape_cmd(task, part, "--num-rollout", "2", "--save", str(part / "ckpt")))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run(shape_cmd(task, part, "--num-rollout", "4", "--load", str(part / "ckpt")))
+    assert (ckpt / "latest").read_text().strip() == "rollout_000001"
+    assert (ckpt / "rollout_000001" / "hf" / "model.safetensors").is_file()
+    assert json.loads((ckpt / "rollout_000001" / "rollout_state.json").read_text())["data_source"]["offset"] == 8
+
+    proc = run(shape_cmd(task, part, *flags, "--num-rollout", "4", "--load", str(ckpt)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
+    assert (ckpt / "latest").read_text().strip() == "rollout_000003"
+    from transformers import AutoModelForCausalLM
 
-    expected, resumed = comparable(records(whole)), comparable(records(part))
-    assert sorted(resumed) == [0, 1, 2, 3]
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "rollout_000003" / "hf")
+    assert model.config.vocab_size > 0
+
+    expected, resumed = comparable(records(reference_run["out"])), comparable(records(part))
+    assert sorted(resumed) == [0, 1, 2, 3]  # each rollout once in metrics.jsonl
     for rollout_id in (2, 3):
         assert resumed[rollout_id] == expected[rollout_id], rollout_id
 
@@ -39,10 +49,7 @@ def test_resumed_run_matches_uninterrupted_run(task, tmp_path):
 def test_sigkill_mid_run_then_resume_loses_nothing(task, tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     cmd = shape_cmd(task, out, "--num-rollout", "5", "--save", str(ckpt), "--save-interval", "1", "--load", str(ckpt))
-    import os
-
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    driver = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(cmd, cwd=ROOT, env=driver_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         latest = ckpt / "latest"

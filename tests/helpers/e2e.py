@@ -17,6 +17,11 @@ EXAMPLES = ROOT / "examples"
 if str(EXAMPLES) not in sys.path:  # tiny_task, quickstart, tasks: the examples' own modules
     sys.path.insert(0, str(EXAMPLES))
 
+# The reference run of the quick-start shape (the `reference_run` fixture) and the flags every run
+# compared with it repeats: seed 7, 4 rollouts (and every weight push checked bit for bit, with engines).
+REFERENCE_SHAPE = ("--seed", "7", "--num-rollout", "4")
+REFERENCE_FLAGS = (*REFERENCE_SHAPE, "--check-weight-update-equal")
+
 # Set by tests/e2e/conftest.py: the session's shared Ray cluster, which every driver joins.
 SHARED_RAY_ADDRESS: str | None = None
 

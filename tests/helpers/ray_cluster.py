@@ -81,7 +81,7 @@ class HeadNode:
                 p.send_signal(signal.SIGTERM)
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=15)
+        _, alive = psutil.wait_procs(procs, timeout=5)
         for p in alive:
             try:
                 p.kill()
