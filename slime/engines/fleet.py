@@ -35,6 +35,7 @@ import ray
 
 from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, normalize_url
 from slime.engines.health import HealthMonitor
+from slime.engines.kinds import engine_kind
 from slime.engines.launcher import EngineServer
 from slime.engines.router import RouterAdmin, connect_router, start_router
 
@@ -226,8 +227,9 @@ class EngineFleet:
         await self.pool.on_each(lambda e: e.abort())
 
     async def pause(self) -> None:
-        """Hold every request in flight (in place) while the weights change."""
-        await self.pool.on_each(lambda e: e.pause())
+        """Hold every request in flight while the weights change (the kind's pause mode)."""
+        mode = engine_kind(self.args).pause_mode
+        await self.pool.on_each(lambda e: e.pause(mode))
 
     async def continue_generation(self) -> None:
         await self.pool.on_each(lambda e: e.continue_generation())

@@ -7,7 +7,8 @@ An `EngineKind` says everything that differs between them:
   `slime.argument_checks.validate_engines` before anything starts;
 - `update_weights_modes` and `default_update_weights_mode(colocate)`: how weights may reach it
   (`--update-weights-mode`; `auto` resolves here) and `weight_group_ranks(args)`: how many ranks one
-  engine joins a broadcast group with; `weight_update_sessions`: SGLang's begin/end around a push.
+  engine joins a broadcast group with; `weight_update_sessions`: SGLang's begin/end around a push;
+- `pause_mode`: how `/pause_generation` holds the requests in flight while the weights change.
 
 Nothing else in slime branches on the engine kind: code asks `engine_kind(args)`.
 """
@@ -26,6 +27,7 @@ class EngineKind:
     name: str = ""
     update_weights_modes: tuple[str, ...] = ("tensor", "distributed")
     weight_update_sessions = False
+    pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
 
     def command(self, args, rank: int, host: str, port: int) -> list[str]:
         raise NotImplementedError
@@ -72,6 +74,9 @@ class SGLangKind(EngineKind):
     name = "sglang"
     update_weights_modes = ("distributed",)
     weight_update_sessions = True  # SGLang >= 0.5.23 refuses weight updates outside one
+    # SGLang's default pause mode aborts the running requests; retract keeps them queued and
+    # recomputes their KV after the update (in_place would keep stale KV and refuse a cache flush)
+    pause_mode = "retract"
 
     def command(self, args, rank, host, port):
         return sglang_command(args, rank, host, port)
