@@ -124,13 +124,11 @@ def test_load_conversations_names_the_line(tiny_tok, tmp_path):
 
 
 def sft_args(model_dir, tmp_path, *extra):
-    from slime.arguments import parse_args
+    from tests.helpers.args import make_args
 
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(4)))
-    return parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", str(data), "--input-key", "messages",
-                       "--num-rollout", "1", "--rollout-batch-size", "2", "--loss-type", "sft_loss",
-                       "--output-dir", str(tmp_path / "out"), *map(str, extra)])
+    data = "".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(4))
+    return make_args(model_dir, tmp_path, "--input-key", "messages", "--rollout-batch-size", 2,
+                     "--loss-type", "sft_loss", *extra, data=data)
 
 
 def test_sft_flags(tiny_model_dir, tmp_path):
@@ -139,7 +137,7 @@ def test_sft_flags(tiny_model_dir, tmp_path):
     for extra, message in [
         (["--n-samples-per-prompt", 2, "--global-batch-size", 4],
          "--loss-type sft_loss needs --n-samples-per-prompt 1"),
-        (["--eval-prompt-data", tmp_path / "sft.jsonl"], "--eval-prompt-data needs rollout engines"),
+        (["--eval-prompt-data", tmp_path / "prompts.jsonl"], "--eval-prompt-data needs rollout engines"),
         (["--advantage-estimator", "ppo"], "--advantage-estimator ppo has no effect with --loss-type sft_loss"),
         (["--use-kl-loss", "--kl-loss-coef", 0.1], "--use-kl-loss has no effect with --loss-type sft_loss"),
     ]:

@@ -1,19 +1,12 @@
-import json
 
-from slime.arguments import parse_args
 from slime.engines.native.cli import native_command
 from slime.engines.passthrough import PassThrough
+from tests.helpers.args import make_args
 
 
 def test_sglang_flags_forwarded_to_native_engine(tiny_model_dir, tmp_path):
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input": "x"}) + "\n")
-    args = parse_args([
-        "--hf-checkpoint", tiny_model_dir, "--prompt-data", str(data), "--rollout-batch-size", "1",
-        "--num-rollout", "1", "--seed", "5", "--output-dir", str(tmp_path / "o"),
-        "--sglang-max-running-requests", "16", "--sglang-mem-fraction-static", "0.8",
-        "--sglang-port", "1", "--sglang-random-seed", "9",
-    ])
+    args = make_args(tiny_model_dir, tmp_path, "--seed", 5, "--sglang-max-running-requests", 16,
+                     "--sglang-mem-fraction-static", 0.8, "--sglang-port", 1, "--sglang-random-seed", 9)
     cmd = native_command(args, rank=1, host="127.0.0.1", port=4321)
     assert cmd[1:3] == ["-m", "slime.engines.native"]
     assert cmd[cmd.index("--port") + 1] == "4321"  # managed by slime, --sglang-port ignored
@@ -42,14 +35,11 @@ def test_engine_threads_follow_the_cpu_split(tiny_model_dir, tmp_path, monkeypat
     """train.py gives an engine every core; train_async.py, which trains while it generates,
     gives engines and train ranks their shares (16 cores, 1 rank, 3 engines: 12 for the engines)."""
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"input": "x"}) + "\n")
-    flags = ["--hf-checkpoint", tiny_model_dir, "--prompt-data", str(data), "--rollout-batch-size", "1",
-             "--num-rollout", "1", "--rollout-num-gpus", "3", "--output-dir", str(tmp_path / "o")]
+    flags = ["--rollout-num-gpus", 3]
 
     def threads(args):
         cmd = native_command(args, rank=0, host="127.0.0.1", port=1)
         return cmd[cmd.index("--num-threads") + 1]
 
-    assert threads(parse_args(flags)) == "5"  # 16 // 3
-    assert threads(parse_args(flags, overlap_training=True)) == "4"  # 16 * 3/4 // 3
+    assert threads(make_args(tiny_model_dir, tmp_path, *flags)) == "5"  # 16 // 3
+    assert threads(make_args(tiny_model_dir, tmp_path, *flags, overlap_training=True)) == "4"  # 16 * 3/4 // 3

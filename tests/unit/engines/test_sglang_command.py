@@ -10,13 +10,14 @@ import json
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
-from slime.arguments import parse_args
 from slime.engines.control import EngineControl
 from slime.engines.sglang import base_gpu_id, check_sglang_args, sglang_command, sglang_parser
 from slime.utils.errors import SlimeConfigError
+from tests.helpers.args import make_args
 
 # ----------------------------------------------------------------- captured from SGLang 0.5.23
 
@@ -67,9 +68,8 @@ def data_file(tmp_path_factory):
 
 
 def _args(tiny_model_dir, data_file, *extra):
-    return parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", data_file, "--rollout-batch-size", "1",
-                       "--num-rollout", "1", "--seed", "7", "--output-dir", "/tmp/unused",
-                       "--rollout-backend", "sglang", *extra])
+    return make_args(tiny_model_dir, Path(data_file).parent, "--prompt-data", data_file, "--seed", 7,
+                     "--rollout-backend", "sglang", *extra)
 
 
 def _opt(cmd, flag):

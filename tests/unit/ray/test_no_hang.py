@@ -6,9 +6,9 @@ import time
 import pytest
 import ray
 
-from slime.arguments import parse_args
 from slime.ray.calls import get
 from slime.utils.errors import RunFailure
+from tests.helpers.args import make_args
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,8 @@ def test_dead_actor_names_stage_and_actor(ray_session):
 def test_killed_train_rank_is_a_clear_error_within_the_timeout(tiny_model_dir, tmp_path, ray_session):
     from slime.ray.actor_group import TrainGroup, TrainGroupError
 
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"input": "1"}\n')
-    args = parse_args(["--hf-checkpoint", tiny_model_dir, "--prompt-data", str(prompts), "--num-rollout", "1",
-                       "--rollout-batch-size", "2", "--actor-num-gpus-per-node", "2", "--stage-timeout", "60",
-                       "--output-dir", str(tmp_path / "o")])
+    args = make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--actor-num-gpus-per-node", 2,
+                     "--stage-timeout", 60)
     group = TrainGroup(args)
     try:
         group.init()
