@@ -49,6 +49,12 @@ class HeadNode:
                "--num-cpus", str(self.num_cpus), "--include-dashboard", "true",
                "--dashboard-port", str(self.dashboard_port), "--dashboard-host", "127.0.0.1",
                "--temp-dir", self.temp_dir]
+        # Ray's agents and servers default to fixed ports: a second head on this machine (the e2e
+        # session's shared one runs beside a test's own) would find them taken and never get a job agent
+        for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+                     "--runtime-env-agent-port", "--ray-client-server-port", "--node-manager-port",
+                     "--object-manager-port"):
+            cmd += [flag, str(free_port())]
         proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             self.stop()
