@@ -11,7 +11,7 @@ Per rollout (`train`, role "actor"):
   4. per optimizer step: micro-batches of `args.micro_batch_size` samples (or, with
      `--use-dynamic-batch-size`, of up to `--max-tokens-per-gpu` tokens), per-token
      loss = policy loss (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or
-     `--custom-loss-function-path`), weighted by truncated importance sampling against the
+     `--custom-loss-function-path`, on one `LossInputs` record), weighted by truncated importance sampling against the
      engine's log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with
      `--use-unbiased-kl`) - entropy_coef * entropy,
      aggregated with per-token weights that depend only on the sample and the global
@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_stats
 from slime.algorithms.losses import (
-    POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
+    POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
 from slime.utils.threads import cpu_threads
 from slime.training.offload import resident
@@ -96,8 +97,9 @@ class TrainActor:
         critic = self.role == "critic"
         self.use_kl_loss = bool(args.use_kl_loss and args.kl_loss_coef > 0) and not critic
         self.use_ref = (self.use_kl_loss or args.kl_coef > 0) and not critic
-        self.custom_loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path") \
-            if args.custom_loss_function_path else None
+        # every policy loss is called as loss(inputs: LossInputs); a user's takes args first
+        self.policy_loss = partial(load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
+                                   args) if args.custom_loss_function_path else POLICY_LOSSES[args.policy_loss_type]
         self.custom_advantage_fn = load_function(args.custom_advantage_function_path,
                                                  "--custom-advantage-function-path") \
             if args.custom_advantage_function_path else None
@@ -252,7 +254,6 @@ class TrainActor:
         old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
         kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
         advantages, self._returns = self._advantages(batch, masks, kl, values)
-        policy_loss = self.custom_loss_fn or POLICY_LOSSES[args.policy_loss_type]
         tis_fn = (self.custom_tis_fn or vanilla_tis) if args.use_tis else None
         dev = be.device
 
@@ -276,10 +277,9 @@ class TrainActor:
                     for i, part in zip(idx, current.cpu().split(split)):
                         pre_lps[i] = part
                 old = current if source == "forward" else torch.cat([old_lps[i] for i in idx]).to(dev)
-                pg, clipfrac = policy_loss(
-                    lp, old, adv, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c,
-                    response_lengths=split, loss_mask=mask, args=args,
-                )
+                pg, clipfrac = self.policy_loss(LossInputs(
+                    log_probs=lp, old_log_probs=old, advantages=adv, loss_mask=mask, response_lengths=split,
+                    eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high, eps_clip_c=args.eps_clip_c))
                 extra: dict[str, Tensor] = {}
                 if tis_fn is not None:
                     # the trainer's log-probs under the policy that generated the rollout vs the engine's
