@@ -87,7 +87,7 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
         be = actor.backend
         # one optimizer step so there is optimizer state to offload
         be.model.zero_grad()
-        from slime.training.actor import MicroBatch
+        from slime.training.backend import MicroBatch
 
         mb = MicroBatch([[1, 5, 6, 7, 8]], [3])
         be.train_step([mb], lambda k, lp, ent: -lp.sum())

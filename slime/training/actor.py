@@ -24,6 +24,7 @@ then `train_critic` on the actor's returns with the clipped value loss.
 Metrics are token-weighted within a step (all ranks), averaged over steps, and
 identical on every rank.
 
+The backend (`BACKENDS[args.train_backend]`) implements `slime.training.backend.TrainBackend`.
 The class is plain Python; `slime.ray.actor_group.TrainGroup` runs it as Ray actors.
 It can also be used in-process (world size 1) in tests.
 """
@@ -31,9 +32,11 @@ It can also be used in-process (world size 1) in tests.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import random
 from functools import partial
+from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,34 +44,30 @@ from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_sta
 from slime.algorithms.losses import (
     POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
-from slime.utils.threads import cpu_threads
-from slime.training.offload import resident
+from slime.training.backend import MicroBatch, TrainBackend
+from slime.training.fsdp.backend import FSDPBackend
+from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
+from slime.training.weight_push import WeightPusher
+from slime.training.weight_sync import check_engine_weights
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
+from slime.utils.hooks import load_function
+from slime.utils.megatron_convert import require_megatron
+from slime.utils.threads import cpu_threads
 
 METRIC_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
 
 
-@dataclass
-class MicroBatch:
-    """Samples for one forward: prompt + response token ids and response lengths."""
+def _megatron_backend(*args, **kwargs) -> TrainBackend:
+    # megatron-core is an optional heavy dependency: imported only when a run asks for it
+    require_megatron()
+    from slime.training.megatron.backend import MegatronBackend
 
-    tokens: list[list[int]]
-    response_lengths: list[int]
+    return MegatronBackend(*args, **kwargs)
 
 
-def _make_backend(args, rank, world_size, master_addr, master_port, with_ref, value_head=False):
-    if args.train_backend == "fsdp":
-        from slime.training.fsdp.backend import FSDPBackend
-
-        return FSDPBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
-                           value_head=value_head)
-    if args.train_backend == "megatron":
-        from slime.training.megatron.backend import MegatronBackend
-
-        return MegatronBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
-                               value_head=value_head)
-    raise SlimeConfigError(f"--train-backend {args.train_backend!r} is not available")
+# --train-backend -> Backend(args, rank, world_size, master_addr, master_port, with_ref=, value_head=)
+BACKENDS: dict[str, Callable[..., TrainBackend]] = {"fsdp": FSDPBackend, "megatron": _megatron_backend}
 
 
 class TrainActor:
@@ -82,7 +81,11 @@ class TrainActor:
         self.role = role
         self.master_addr = master_addr
         self.master_port = master_port
-        self.backend = None
+        self.backend: TrainBackend | None = None
+        self._pusher: WeightPusher | None = None  # made by the first update_weights()
+        self._offloader: Offloader | None = None  # made by the first offload()
+        self._returns: list[Tensor] | None = None
+        self._old_values: tuple[int, list[Tensor]] | None = None
         threads = cpu_threads(args, "train", self.world_size)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -90,8 +93,6 @@ class TrainActor:
     # ------------------------------------------------------------ lifecycle
 
     def init(self) -> None:
-        from slime.utils.hooks import load_function
-
         args = self.args
         torch.manual_seed(args.seed)
         critic = self.role == "critic"
@@ -106,16 +107,17 @@ class TrainActor:
         self.custom_tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
             if args.custom_tis_function_path else None
         self._returns = None
-        self.backend = _make_backend(args, self.rank, self.world_size, self.master_addr,
-                                     self.master_port, with_ref=self.use_ref, value_head=critic)
+        self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
+                                                    self.master_port, with_ref=self.use_ref, value_head=critic)
 
     def ready(self) -> bool:
         return self.backend is not None
 
     def shutdown(self) -> None:
-        for part in ("_pusher", "_offloader"):
-            if getattr(self, part, None) is not None:
-                getattr(self, part).close()
+        for part in (self._pusher, self._offloader):
+            if part is not None:
+                part.close()
+        self._pusher = self._offloader = None
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -393,7 +395,7 @@ class TrainActor:
         self._check(batch)
         n = len(batch)
         masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
-        cached = getattr(self, "_old_values", None)
+        cached = self._old_values
         old_values = cached[1] if cached is not None and cached[0] == rollout_id else self._no_grad_values(batch)
         if returns is None or len(returns) != n:
             raise ValueError(f"critic got {0 if returns is None else len(returns)} returns for {n} samples")
@@ -434,9 +436,7 @@ class TrainActor:
     @resident
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict:
         """Push the weights by `--update-weights-mode` (slime/training/weight_push.py). Collective."""
-        if getattr(self, "_pusher", None) is None:
-            from slime.training.weight_push import WeightPusher
-
+        if self._pusher is None:
             self._pusher = WeightPusher(self.args, self.rank)
         return self._pusher.push(self.backend.named_weights(), engine_urls, weight_version)
 
@@ -445,26 +445,20 @@ class TrainActor:
     def offload(self) -> dict:
         """--colocate: free this rank's parameters, optimizer state and reference model while the
         engines generate (slime/training/offload.py). Returns {"bytes", "seconds", "rss"}."""
-        from slime.training.offload import Offloader, backend_tensors, rss_bytes
-
-        if getattr(self, "_offloader", None) is None:
-            self._offloader = Offloader(getattr(self.args, "offload_dir", None))
+        if self._offloader is None:
+            self._offloader = Offloader(self.args.offload_dir)
         stats = self._offloader.offload(backend_tensors(self.backend))
         return dict(stats, rss=rss_bytes())
 
     def onload(self) -> dict:
         """Undo `offload` (bitwise). Returns {"bytes", "seconds", "rss"}."""
-        from slime.training.offload import rss_bytes
-
-        off = getattr(self, "_offloader", None)
+        off = self._offloader
         stats = off.onload() if off is not None else {"bytes": 0, "seconds": 0.0}
         return dict(stats, rss=rss_bytes())
 
     @resident
     def check_weights(self, engine_urls: list[str]) -> int:
         """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
-        from slime.training.weight_sync import check_engine_weights
-
         return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
 
     @resident
@@ -521,10 +515,6 @@ def token_budget_micro_batches(lengths: list[int], budget: int, min_groups: int 
 
 def rng_states() -> dict:
     """Python, NumPy and torch (CPU and CUDA) random states, for exact resume."""
-    import random
-
-    import numpy as np
-
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -532,10 +522,6 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
