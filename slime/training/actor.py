@@ -24,7 +24,8 @@ then `train_critic` on the actor's returns with the clipped value loss.
 Metrics are token-weighted within a step (all ranks), averaged over steps, and
 identical on every rank.
 
-The backend (`BACKENDS[args.train_backend]`) implements `slime.training.backend.TrainBackend`.
+The backend (`BACKENDS[args.train_backend]`) implements `slime.training.backend.TrainBackend`;
+the weights reach the engines through one `slime.training.weight_sync` transport.
 The class is plain Python; `slime.ray.actor_group.TrainGroup` runs it as Ray actors.
 It can also be used in-process (world size 1) in tests.
 """
@@ -47,8 +48,7 @@ from slime.algorithms.losses import (
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
-from slime.training.weight_push import WeightPusher
-from slime.training.weight_sync import check_engine_weights
+from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
@@ -82,7 +82,7 @@ class TrainActor:
         self.master_addr = master_addr
         self.master_port = master_port
         self.backend: TrainBackend | None = None
-        self._pusher: WeightPusher | None = None  # made by the first update_weights()
+        self._transport = None  # weight_sync.WeightTransport, made by init()
         self._offloader: Offloader | None = None  # made by the first offload()
         self._returns: list[Tensor] | None = None
         self._old_values: tuple[int, list[Tensor]] | None = None
@@ -107,6 +107,7 @@ class TrainActor:
         self.custom_tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
             if args.custom_tis_function_path else None
         self._returns = None
+        self._transport = make_transport(args, self.rank)
         self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
                                                     self.master_port, with_ref=self.use_ref, value_head=critic)
 
@@ -114,10 +115,10 @@ class TrainActor:
         return self.backend is not None
 
     def shutdown(self) -> None:
-        for part in (self._pusher, self._offloader):
+        for part in (self._transport, self._offloader):
             if part is not None:
                 part.close()
-        self._pusher = self._offloader = None
+        self._transport = self._offloader = None
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -435,10 +436,10 @@ class TrainActor:
 
     @resident
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict:
-        """Push the weights by `--update-weights-mode` (slime/training/weight_push.py). Collective."""
-        if self._pusher is None:
-            self._pusher = WeightPusher(self.args, self.rank)
-        return self._pusher.push(self.backend.named_weights(), engine_urls, weight_version)
+        """Push the weights to `engine_urls` through this run's transport (`--update-weights-mode`,
+        slime/training/weight_sync/). Collective."""
+        self._transport.connect(engine_urls)
+        return self._transport.push(self.backend.named_weights(), weight_version)
 
     # ------------------------------------------------------------ colocated memory handoff
 
