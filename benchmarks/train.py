@@ -261,20 +261,15 @@ def start_native_engine(model_dir: str) -> tuple[subprocess.Popen, str]:
 
 
 def _push_modes(named, url, buffer):
-    """slime's three pushes (--update-weights-mode) as (name, push(version) -> stats, close)."""
-    from slime.training.weight_push import push_by_path
-    from slime.training.weight_sync import broadcast_weights, init_broadcast_group, sync_weights
+    """slime's three transports (--update-weights-mode) as (name, push(version) -> stats, close)."""
+    from slime.training.weight_sync import DiskTransport, DistributedTransport, TensorTransport
 
-    group = []
-
-    def distributed(v):
-        if not group:
-            group.append(init_broadcast_group([url], master_address="127.0.0.1"))
-        return broadcast_weights(named, [url], v, buffer, group=group[0])
-
-    return [("slime_tensor_http", lambda v: sync_weights(named, [url], v, buffer), lambda: None),
-            ("slime_distributed_gloo", distributed, lambda: group and group[0].close()),
-            ("slime_disk_shm", lambda v: push_by_path(named, [url], v, buffer), lambda: None)]
+    modes = [("slime_tensor_http", TensorTransport(buffer, rank=0)),
+             ("slime_distributed_gloo", DistributedTransport(buffer, rank=0, num_engines=1)),
+             ("slime_disk_shm", DiskTransport(buffer, rank=0, num_engines=1))]
+    for _, transport in modes:
+        transport.connect([url])
+    return [(name, lambda v, t=transport: t.push(named, v), transport.close) for name, transport in modes]
 
 
 def bench_weight_sync(model_dir: str, repeats: int, buffer: int) -> list[dict]:

@@ -11,6 +11,7 @@ recomputes each chunk in backward (activation checkpointing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -156,26 +157,46 @@ def compute_log_probs_and_entropy(
 
 # ---------------------------------------------------------------- policy losses
 #
-# Every entry of POLICY_LOSSES has the signature
-#     loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high=None, *,
-#          eps_clip_c=None, response_lengths=None, loss_mask=None) -> (per_token_loss, clipfrac)
-# over the concatenated response tokens of a micro-batch (Tensor[N] each, N = sum of
-# response_lengths); the trainer aggregates the per-token loss (see `aggregation_weights`).
+# Every entry of POLICY_LOSSES (and a `--custom-loss-function-path` hook, with `args` bound first)
+# takes one `LossInputs` record of a micro-batch and returns (per_token_loss, clipfrac), Tensor[N]
+# each; the trainer aggregates the per-token loss (see `aggregation_weights`).
 
 
-def ppo_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    *,
-    eps_clip_c: float | None = None,
-    **_: object,
-) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True, kw_only=True)
+class LossInputs:
+    """One micro-batch's inputs to a policy loss, over its N concatenated response tokens
+    (N = sum(response_lengths); a sample is never split across micro-batches).
+
+    log_probs:        Tensor[N], the current policy's log-probs (carries the gradient)
+    old_log_probs:    Tensor[N], the log-probs of the policy that generated the samples (the
+                      ratio's denominator), no gradient
+    advantages:       Tensor[N]
+    loss_mask:        Tensor[N] of 0./1. (0: tokens without a loss, e.g. tool output); None: all 1
+    response_lengths: list[int], the micro-batch's samples' lengths; None when unknown
+    eps_clip:         the PPO clip range's lower side: ratio >= 1 - eps_clip
+    eps_clip_high:    its upper side, ratio <= 1 + eps_clip_high (None: eps_clip)
+    eps_clip_c:       dual-clip bound (> 1) for negative advantages, or None
+    """
+
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor | None = None
+    response_lengths: list[int] | None = None
+    eps_clip: float
+    eps_clip_high: float | None = None
+    eps_clip_c: float | None = None
+
+    @property
+    def clip_high(self) -> float:
+        """eps_clip_high, or eps_clip when it is not set."""
+        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def ppo_policy_loss(inputs: LossInputs) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate with asymmetric clip range [1 - eps_clip, 1 + eps_clip_high].
 
-    log_probs, old_log_probs, advantages: Tensor[N] (per token)
+    inputs: log_probs, old_log_probs, advantages Tensor[N] (per token), eps_clip(_high, _c)
     returns (per_token_loss Tensor[N], clipfrac Tensor[N] of 0./1.):
         ratio = exp(log_probs - old_log_probs)
         loss  = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_high))
@@ -183,10 +204,8 @@ def ppo_policy_loss(
     Dual-clip (`eps_clip_c` > 1, arXiv 1912.09729): where A < 0 the loss is further
     capped at -A * eps_clip_c.
     """
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
-    ratio = torch.exp(log_probs - old_log_probs)
-    return _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+    ratio = torch.exp(inputs.log_probs - inputs.old_log_probs)
+    return _clipped_surrogate(ratio, inputs.advantages, inputs.eps_clip, inputs.clip_high, inputs.eps_clip_c)
 
 
 def _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c):
@@ -222,68 +241,38 @@ def sequence_mean(values: Tensor, response_lengths: list[int], loss_mask: Tensor
     return (sums / counts.clamp(min=1.0))[seq]
 
 
-def gspo_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    *,
-    response_lengths: list[int] | None = None,
-    loss_mask: Tensor | None = None,
-    eps_clip_c: float | None = None,
-    **_: object,
-) -> tuple[Tensor, Tensor]:
+def gspo_policy_loss(inputs: LossInputs) -> tuple[Tensor, Tensor]:
     """GSPO (arXiv 2507.18071): the PPO clip on a sequence-level ratio.
 
     s_i = exp(mean over sequence i's loss-mask tokens of (log_probs - old_log_probs)),
     used as the ratio of every token of sequence i (gradient flows to each token through
-    the mean). Shapes as `ppo_policy_loss`; needs `response_lengths` (sequences are
-    never split across micro-batches) and `loss_mask`. With one-token sequences it is PPO.
+    the mean). Shapes as `ppo_policy_loss`; needs `response_lengths` (and uses `loss_mask`).
+    With one-token sequences it is PPO.
     """
-    if response_lengths is None:
+    if inputs.response_lengths is None:
         raise ValueError("gspo_policy_loss needs response_lengths")
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
-    mask = torch.ones_like(log_probs) if loss_mask is None else loss_mask
-    ratio = torch.exp(sequence_mean(log_probs - old_log_probs, response_lengths, mask))
-    return _clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, eps_clip_c)
+    log_probs = inputs.log_probs
+    mask = torch.ones_like(log_probs) if inputs.loss_mask is None else inputs.loss_mask
+    ratio = torch.exp(sequence_mean(log_probs - inputs.old_log_probs, inputs.response_lengths, mask))
+    return _clipped_surrogate(ratio, inputs.advantages, inputs.eps_clip, inputs.clip_high, inputs.eps_clip_c)
 
 
-def cispo_policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-    **_: object,
-) -> tuple[Tensor, Tensor]:
+def cispo_policy_loss(inputs: LossInputs) -> tuple[Tensor, Tensor]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by a clipped, stop-gradient ratio.
 
     loss = -sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs; clipfrac = 1
     where the clip changed the ratio. Unlike PPO a clipped token still has gradient
-    (-clip(ratio) * A); at ratio 1 the gradient equals PPO's (-A).
+    (-clip(ratio) * A); at ratio 1 the gradient equals PPO's (-A). Shapes as `ppo_policy_loss`.
     """
-    if eps_clip_high is None:
-        eps_clip_high = eps_clip
-    ratio = torch.exp(log_probs - old_log_probs).detach()
-    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    loss = -clipped * advantages * log_probs
+    ratio = torch.exp(inputs.log_probs - inputs.old_log_probs).detach()
+    clipped = ratio.clamp(1.0 - inputs.eps_clip, 1.0 + inputs.clip_high)
+    loss = -clipped * inputs.advantages * inputs.log_probs
     return loss, (clipped != ratio).float()
 
 
-def policy_loss(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    eps_clip: float,
-    eps_clip_high: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The default policy loss (PPO clip); see `ppo_policy_loss`."""
-    return ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+PolicyLoss = Callable[[LossInputs], tuple[Tensor, Tensor]]
 
-
-POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {
+POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
     "cispo": cispo_policy_loss,
@@ -395,7 +384,7 @@ def vanilla_tis(args, *, pg_loss: Tensor, train_log_probs: Tensor, rollout_log_p
     `--tis-clip-low`, `--tis-level`; the mask is unchanged. Metrics: tis (the raw ratio),
     tis_weight, tis_clipfrac (the clip changed the ratio), tis_abs (|ratio - 1|)."""
     w, ratio = tis_weights(train_log_probs, rollout_log_probs, args.tis_clip, args.tis_clip_low,
-                           getattr(args, "tis_level", "token"), response_lengths, loss_mask)
+                           args.tis_level, response_lengths, loss_mask)
     metrics = {"tis": ratio, "tis_weight": w, "tis_clipfrac": (w != ratio).float(), "tis_abs": (ratio - 1).abs()}
     return pg_loss * w, loss_mask, metrics
 

@@ -8,22 +8,25 @@ Per rollout (`train`, role "actor"):
   3. advantages via `ADVANTAGE_ESTIMATORS[args.advantage_estimator]` (or
      `--custom-advantage-function-path`), from rewards, KL(old || ref) when
      `--kl-coef` > 0 and the critic's values (PPO); optionally whitened over all ranks;
-  4. per optimizer step: micro-batches of `args.micro_batch_size` samples (or, with
-     `--use-dynamic-batch-size`, of up to `--max-tokens-per-gpu` tokens), per-token
-     loss = policy loss (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or
-     `--custom-loss-function-path`), weighted by truncated importance sampling against the
-     engine's log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with
-     `--use-unbiased-kl`) - entropy_coef * entropy,
-     aggregated with per-token weights that depend only on the sample and the global
-     step (`--loss-agg-mode`), times dp_size to undo FSDP's gradient averaging; grad
-     clip; AdamW step.
-`--loss-type sft_loss` replaces all of this with the negative log-likelihood of the
-loss-mask tokens (`_train_sft`), aggregated the same way.
-Role "critic" (PPO) is a value model: `compute_values` before the actor's advantages,
-then `train_critic` on the actor's returns with the clipped value loss.
-Metrics are token-weighted within a step (all ranks), averaged over steps, and
-identical on every rank.
+  4. the optimizer steps (`_run_steps`), per-token loss = policy loss
+     (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or `--custom-loss-function-path`,
+     on one `LossInputs` record), weighted by truncated importance sampling against the engine's
+     log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with `--use-unbiased-kl`)
+     - entropy_coef * entropy.
+`--loss-type sft_loss` trains the negative log-likelihood of the loss-mask tokens instead
+(`_train_sft`). Role "critic" (PPO) is a value model: `compute_values` before the actor's
+advantages, then `train_critic` on the actor's returns with the clipped value loss.
 
+The three share one step loop (`_run_steps`): the rank's samples split in order into
+`--num-steps-per-rollout` steps; each step into micro-batches of `--micro-batch-size` samples
+(or, with `--use-dynamic-batch-size`, of up to `--max-tokens-per-gpu` tokens); per-token weights
+that depend only on the sample and the global step (`--loss-agg-mode`), times dp_size to undo the
+backends' gradient averaging; one `TrainBackend.train_step` (grad clip, optimizer step). A role
+supplies only its per-token loss and the per-token values it logs. Metrics are loss-token means
+within a step (all ranks), averaged over steps, and identical on every rank.
+
+The backend (`BACKENDS[args.train_backend]`) implements `slime.training.backend.TrainBackend`;
+the weights reach the engines through one `slime.training.weight_sync` transport.
 The class is plain Python; `slime.ray.actor_group.TrainGroup` runs it as Ray actors.
 It can also be used in-process (world size 1) in tests.
 """
@@ -31,43 +34,77 @@ It can also be used in-process (world size 1) in tests.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_stats
 from slime.algorithms.losses import (
-    POLICY_LOSSES, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
+    POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
-from slime.utils.threads import cpu_threads
-from slime.training.offload import resident
+from slime.training.backend import MicroBatch, TrainBackend
+from slime.training.fsdp.backend import FSDPBackend
+from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
+from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
+from slime.utils.hooks import load_function
+from slime.utils.megatron_convert import require_megatron
+from slime.utils.threads import cpu_threads
 
 METRIC_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
+CRITIC_METRIC_KEYS = ("value_loss", "value_clipfrac", "values", "returns")
+
+
+def _megatron_backend(*args, **kwargs) -> TrainBackend:
+    # megatron-core is an optional heavy dependency: imported only when a run asks for it
+    require_megatron()
+    from slime.training.megatron.backend import MegatronBackend
+
+    return MegatronBackend(*args, **kwargs)
+
+
+# --train-backend -> Backend(args, rank, world_size, master_addr, master_port, with_ref=, value_head=)
+BACKENDS: dict[str, Callable[..., TrainBackend]] = {"fsdp": FSDPBackend, "megatron": _megatron_backend}
+
+# token_loss(step, sample indices, out, entropy, loss mask) -> (per-token loss, {metric: per-token values})
+TokenLoss = Callable[[int, list[int], Tensor, "Tensor | None", Tensor], tuple[Tensor, dict[str, Tensor]]]
 
 
 @dataclass
-class MicroBatch:
-    """Samples for one forward: prompt + response token ids and response lengths."""
+class _Steps:
+    """What `_run_steps` measured: per step, every metric's loss-token mean over the step (all
+    ranks); the gradient norms; the loss tokens of all steps (all ranks)."""
 
-    tokens: list[list[int]]
-    response_lengths: list[int]
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens: float = 0.0
+
+    def mean(self) -> dict[str, float]:
+        """Each metric averaged over the steps (a Python sum in step order)."""
+        return {k: sum(m[k] for m in self.metrics) / len(self.metrics) for k in self.metrics[0]}
+
+    @property
+    def grad_norm(self) -> float:
+        return float(sum(self.grad_norms) / len(self.grad_norms))
 
 
-def _make_backend(args, rank, world_size, master_addr, master_port, with_ref, value_head=False):
-    if args.train_backend == "fsdp":
-        from slime.training.fsdp.backend import FSDPBackend
+@dataclass
+class _PolicyRollout:
+    """One rollout's per-sample inputs of the policy loss (Tensor[L_i] each, on the CPU)."""
 
-        return FSDPBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
-                           value_head=value_head)
-    if args.train_backend == "megatron":
-        from slime.training.megatron.backend import MegatronBackend
-
-        return MegatronBackend(args, rank, world_size, master_addr, master_port, with_ref=with_ref,
-                               value_head=value_head)
-    raise SlimeConfigError(f"--train-backend {args.train_backend!r} is not available")
+    lengths: list[int]
+    advantages: list[Tensor]
+    source: str  # where the old log-probs come from: "rollout" | "forward" | "pass" (see `_policy_rollout`)
+    old_lps: list[Tensor | None]
+    ref_lps: list[Tensor] | None
+    rollout_lps: list[Tensor] | None
+    pre_lps: list[Tensor | None]  # the trainer's log-probs before any update (filled by the first step)
 
 
 class TrainActor:
@@ -81,7 +118,11 @@ class TrainActor:
         self.role = role
         self.master_addr = master_addr
         self.master_port = master_port
-        self.backend = None
+        self.backend: TrainBackend | None = None
+        self._transport = None  # weight_sync.WeightTransport, made by init()
+        self._offloader: Offloader | None = None  # made by the first offload()
+        self._returns: list[Tensor] | None = None
+        self._old_values: tuple[int, list[Tensor]] | None = None
         threads = cpu_threads(args, "train", self.world_size)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -89,36 +130,38 @@ class TrainActor:
     # ------------------------------------------------------------ lifecycle
 
     def init(self) -> None:
-        from slime.utils.hooks import load_function
-
         args = self.args
         torch.manual_seed(args.seed)
         critic = self.role == "critic"
         self.use_kl_loss = bool(args.use_kl_loss and args.kl_loss_coef > 0) and not critic
         self.use_ref = (self.use_kl_loss or args.kl_coef > 0) and not critic
-        self.custom_loss_fn = load_function(args.custom_loss_function_path, "--custom-loss-function-path") \
-            if args.custom_loss_function_path else None
+        # every policy loss is called as loss(inputs: LossInputs); a user's takes args first
+        self.policy_loss = partial(load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
+                                   args) if args.custom_loss_function_path else POLICY_LOSSES[args.policy_loss_type]
         self.custom_advantage_fn = load_function(args.custom_advantage_function_path,
                                                  "--custom-advantage-function-path") \
             if args.custom_advantage_function_path else None
-        self.custom_tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
-            if args.custom_tis_function_path else None
+        tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
+            if args.custom_tis_function_path else vanilla_tis
+        self.tis_fn = tis_fn if args.use_tis else None
         self._returns = None
-        self.backend = _make_backend(args, self.rank, self.world_size, self.master_addr,
-                                     self.master_port, with_ref=self.use_ref, value_head=critic)
+        self._transport = make_transport(args, self.rank)
+        self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
+                                                    self.master_port, with_ref=self.use_ref, value_head=critic)
 
     def ready(self) -> bool:
         return self.backend is not None
 
     def shutdown(self) -> None:
-        for part in ("_pusher", "_offloader"):
-            if getattr(self, part, None) is not None:
-                getattr(self, part).close()
+        for part in (self._transport, self._offloader):
+            if part is not None:
+                part.close()
+        self._transport = self._offloader = None
         if self.backend is not None:
             self.backend.close()
             self.backend = None
 
-    # ------------------------------------------------------------ training
+    # ------------------------------------------------------------ batches
 
     def _micro_batches(self, batch: RolloutBatch, indices: list[int]) -> list[list[int]]:
         """Split `indices` into micro-batches: `--micro-batch-size` samples each in order, or with
@@ -142,6 +185,10 @@ class TrainActor:
     def _mb(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         return MicroBatch([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
 
+    @staticmethod
+    def _masks(batch: RolloutBatch) -> list[Tensor]:
+        return [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
+
     def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool) -> list[Tensor]:
         out: list[Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for idx in self._micro_batches(batch, list(range(len(batch)))):
@@ -164,6 +211,149 @@ class TrainActor:
             r = batch.response_lengths[i]
             if len(batch.loss_masks[i]) != r:
                 raise ValueError(f"sample {i}: loss mask has {len(batch.loss_masks[i])} entries, response {r} tokens")
+
+    # ------------------------------------------------------------ the step loop (policy, SFT, critic)
+
+    def _step_weights(self, masks: list[Tensor], step_idx: list[int]) -> tuple[list[Tensor], float]:
+        """Loss aggregation weights (`--loss-agg-mode`) of one step's local samples, and the step's
+        global number of loss tokens."""
+        args = self.args
+        local_tokens = sum(float(masks[i].sum()) for i in step_idx)
+        global_tokens = float(self.backend.all_reduce_sum(torch.tensor([local_tokens]))[0])
+        weights = aggregation_weights([masks[i] for i in step_idx], args.loss_agg_mode, global_tokens,
+                                      len(step_idx) * self.world_size, args.rollout_max_response_len)
+        return weights, global_tokens
+
+    def _run_steps(self, batch: RolloutBatch, masks: list[Tensor], token_loss: TokenLoss, keys: tuple[str, ...],
+                   entropy_grad: bool = False) -> _Steps:
+        """The optimizer steps of one rollout. `token_loss(s, idx, out, ent, mask)` gives micro-batch
+        `idx` (sample indices) of step s its per-token loss and the per-token values to log, from
+        the backend's output (log-probs, or values for the critic), entropy and loss mask (Tensor[N]
+        each, on the device). Logged values are summed over loss-mask tokens (float64), all-reduced
+        and divided by the step's global loss tokens; `keys` come first, any others (e.g. TIS's)
+        after them sorted by name. Collective."""
+        per_step = len(batch) // self.args.num_steps_per_rollout
+        steps = _Steps()
+        for s in range(self.args.num_steps_per_rollout):
+            self._step(batch, masks, list(range(s * per_step, (s + 1) * per_step)), partial(token_loss, s), keys,
+                       entropy_grad, steps)
+        return steps
+
+    def _step(self, batch: RolloutBatch, masks: list[Tensor], step_idx: list[int], token_loss, keys: tuple[str, ...],
+              entropy_grad: bool, steps: _Steps) -> None:
+        """One optimizer step over the samples `step_idx` (see `_run_steps`); adds to `steps`."""
+        be = self.backend
+        mbs = self._micro_batches(batch, step_idx)
+        weights, global_tokens = self._step_weights(masks, step_idx)
+        weight_of = dict(zip(step_idx, weights))
+        sums: dict[str, Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in keys}
+
+        def loss_fn(k: int, out: Tensor, ent: Tensor | None) -> Tensor:
+            idx = mbs[k]
+            mask = torch.cat([masks[i] for i in idx]).to(be.device)
+            tok_loss, values = token_loss(idx, out, ent, mask)
+            with torch.no_grad():
+                for key, v in values.items():
+                    sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + \
+                        masked_sum(v.detach().double(), mask).cpu()
+            w = torch.cat([weight_of[i] for i in idx]).to(be.device)
+            return (tok_loss * w).sum() * self.world_size
+
+        steps.grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn,
+                                              entropy_grad=entropy_grad))
+        names = list(keys) + sorted(set(sums) - set(keys))  # the same on every rank
+        totals = be.all_reduce_sum(torch.stack([sums[n] for n in names])) / max(global_tokens, 1.0)
+        steps.metrics.append(dict(zip(names, totals.tolist())))
+        steps.tokens += global_tokens
+
+    # ------------------------------------------------------------ policy (role "actor")
+
+    @resident
+    def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
+        """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
+        args, be = self.args, self.backend
+        if be is None:
+            raise RuntimeError("TrainActor.init() was not called")
+        if self.role == "critic":
+            raise RuntimeError("TrainActor.train is the actor's; the critic trains with train_critic")
+        self._check(batch)
+        if args.loss_type == "sft_loss":
+            return self._train_sft(batch)
+        if args.use_critic and values is None:
+            raise ValueError(f"--advantage-estimator {args.advantage_estimator} needs critic values")
+        masks = self._masks(batch)
+        ro = self._policy_rollout(batch, masks, values)
+        steps = self._run_steps(batch, masks, partial(self._policy_token_loss, ro), METRIC_KEYS,
+                                entropy_grad=bool(args.entropy_coef))
+        metrics = {f"train/{k}": v for k, v in steps.mean().items()}
+        metrics["train/grad_norm"] = steps.grad_norm
+        metrics["train/lr"] = be.lr
+        diff = self._logprob_mismatch(batch, masks, ro.pre_lps)
+        if diff[1] > 0:
+            metrics["train/train_rollout_logprob_abs_diff"] = float(diff[0] / diff[1])
+        adv_stats = be.all_reduce_sum(whiten_stats(ro.advantages, masks))
+        metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
+        return metrics
+
+    def _policy_rollout(self, batch: RolloutBatch, masks: list[Tensor], values) -> _PolicyRollout:
+        """Steps 1-3 of the module docstring: reference and old log-probs, advantages (and the critic's returns)."""
+        args, n = self.args, len(batch)
+        rollout_lps = None
+        if args.use_tis or args.use_rollout_logprobs:
+            rollout_lps = self._rollout_log_probs(batch, "--use-tis" if args.use_tis else "--use-rollout-logprobs")
+        ref_lps = self._no_grad_log_probs(batch, ref=True) if self.use_ref else None
+        # old log-probs (the PPO ratio's denominator), from one of three sources:
+        #   "rollout": the engine's (--use-rollout-logprobs), no extra pass;
+        #   "forward": one step per rollout and nothing needing them before the update: the detached
+        #              log-probs of the training forward itself (ratio exactly 1);
+        #   "pass":    a no-grad pass before any update.
+        # `pre_lps` are the trainer's log-probs before any update (for TIS and the mismatch metric).
+        if args.use_rollout_logprobs:
+            source = "rollout"
+        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0:
+            source = "forward"
+        else:
+            source = "pass"
+        pre_lps: list[Tensor | None] = self._no_grad_log_probs(batch, ref=False) if source == "pass" else [None] * n
+        old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
+        kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
+        advantages, self._returns = self._advantages(batch, masks, kl, values)
+        return _PolicyRollout(list(batch.response_lengths), advantages, source, old_lps, ref_lps, rollout_lps, pre_lps)
+
+    def _policy_token_loss(self, ro: _PolicyRollout, s: int, idx: list[int], lp: Tensor, ent: Tensor,
+                           mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Policy loss (+ TIS, KL loss, entropy bonus) of one micro-batch, and its logged values."""
+        args, dev = self.args, self.backend.device
+        split = [ro.lengths[i] for i in idx]
+        current = lp.detach()
+        if s == 0 and ro.source != "pass":  # the first step's forward runs before any update
+            for i, part in zip(idx, current.cpu().split(split)):
+                ro.pre_lps[i] = part
+        old = current if ro.source == "forward" else torch.cat([ro.old_lps[i] for i in idx]).to(dev)
+        pg, clipfrac = self.policy_loss(LossInputs(
+            log_probs=lp, old_log_probs=old, advantages=torch.cat([ro.advantages[i] for i in idx]).to(dev),
+            loss_mask=mask, response_lengths=split, eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high,
+            eps_clip_c=args.eps_clip_c))
+        extra: dict[str, Tensor] = {}
+        if self.tis_fn is not None:
+            # the trainer's log-probs under the policy that generated the rollout vs the engine's
+            train_side = current if ro.source == "rollout" else old
+            rl = torch.cat([ro.rollout_lps[i] for i in idx]).to(dev)
+            pg, pg_mask, extra = self.tis_fn(args, pg_loss=pg, train_log_probs=train_side, rollout_log_probs=rl,
+                                             loss_mask=mask, response_lengths=split)
+            pg = pg * pg_mask.to(pg.dtype)
+        tok_loss = pg
+        kl_tok = torch.zeros_like(pg)
+        if self.use_kl_loss:
+            ref = torch.cat([ro.ref_lps[i] for i in idx]).to(dev)
+            ratio = torch.exp(lp - old) if args.use_unbiased_kl else None
+            kl_tok = kl_penalty(lp, ref, args.kl_loss_type, importance_ratio=ratio)
+            tok_loss = tok_loss + args.kl_loss_coef * kl_tok
+        if args.entropy_coef:
+            tok_loss = tok_loss - args.entropy_coef * ent
+        logged = dict(zip(METRIC_KEYS, (tok_loss, pg, kl_tok, ent, clipfrac, old - current)))
+        logged.update(extra)
+        return tok_loss, logged
 
     def _advantages(self, batch: RolloutBatch, masks: list[Tensor], kl, values) -> tuple[list[Tensor], list | None]:
         """Per-token advantages (and, with critic values, the critic's returns) of this rank's samples."""
@@ -189,181 +379,52 @@ class TrainActor:
             advantages = whiten(advantages, self.backend.all_reduce_sum(whiten_stats(advantages, masks)))
         return advantages, returns
 
-    def _step_weights(self, masks: list[Tensor], step_idx: list[int]) -> tuple[list[Tensor], float]:
-        """Loss aggregation weights (`--loss-agg-mode`) of one step's local samples, and the step's
-        global number of loss tokens."""
-        args = self.args
-        local_tokens = sum(float(masks[i].sum()) for i in step_idx)
-        global_tokens = float(self.backend.all_reduce_sum(torch.tensor([local_tokens]))[0])
-        weights = aggregation_weights([masks[i] for i in step_idx], args.loss_agg_mode, global_tokens,
-                                      len(step_idx) * self.world_size, args.rollout_max_response_len)
-        return weights, global_tokens
-
     def _rollout_log_probs(self, batch: RolloutBatch, why: str) -> list[Tensor]:
         """The engine's log-probs of every sample (Tensor[L_i] each); an error when one is missing."""
         out = []
         for i, r in enumerate(batch.response_lengths):
-            lp = batch.rollout_log_probs[i] if batch.rollout_log_probs is not None and i < len(
-                batch.rollout_log_probs) else None
+            lp = self._engine_log_probs(batch, i)
             if lp is None or len(lp) != r:
                 raise ValueError(f"{why} needs the engine's log-probs of every response token; sample {i} has "
                                  f"{'none' if lp is None else len(lp)} for {r} tokens")
             out.append(torch.as_tensor(lp, dtype=torch.float32))
         return out
 
-    @resident
-    def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
-        """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
-        args, be = self.args, self.backend
-        if be is None:
-            raise RuntimeError("TrainActor.init() was not called")
-        if self.role == "critic":
-            raise RuntimeError("TrainActor.train is the actor's; the critic trains with train_critic")
-        self._check(batch)
-        if args.loss_type == "sft_loss":
-            return self._train_sft(batch)
-        n = len(batch)
-        lengths = batch.response_lengths
-        masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
-        if args.use_critic and values is None:
-            raise ValueError(f"--advantage-estimator {args.advantage_estimator} needs critic values")
-        has_rollout_lp = [
-            batch.rollout_log_probs is not None and i < len(batch.rollout_log_probs)
-            and batch.rollout_log_probs[i] is not None and len(batch.rollout_log_probs[i]) == lengths[i]
-            for i in range(n)
-        ]
-        rollout_lps = None
-        if args.use_tis or args.use_rollout_logprobs:
-            rollout_lps = self._rollout_log_probs(batch, "--use-tis" if args.use_tis else "--use-rollout-logprobs")
-        ref_lps = self._no_grad_log_probs(batch, ref=True) if self.use_ref else None
-        # old log-probs (the PPO ratio's denominator), from one of three sources:
-        #   "rollout": the engine's (--use-rollout-logprobs), no extra pass;
-        #   "forward": one step per rollout and nothing needing them before the update: the detached
-        #              log-probs of the training forward itself (ratio exactly 1);
-        #   "pass":    a no-grad pass before any update.
-        # `pre_lps` are the trainer's log-probs before any update (for TIS and the mismatch metric).
-        if args.use_rollout_logprobs:
-            source = "rollout"
-        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0:
-            source = "forward"
-        else:
-            source = "pass"
-        pre_lps: list[Tensor | None] = self._no_grad_log_probs(batch, ref=False) if source == "pass" else [None] * n
-        old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
-        kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
-        advantages, self._returns = self._advantages(batch, masks, kl, values)
-        policy_loss = self.custom_loss_fn or POLICY_LOSSES[args.policy_loss_type]
-        tis_fn = (self.custom_tis_fn or vanilla_tis) if args.use_tis else None
-        dev = be.device
+    @staticmethod
+    def _engine_log_probs(batch: RolloutBatch, i: int) -> list[float] | None:
+        lps = batch.rollout_log_probs
+        return lps[i] if lps is not None and i < len(lps) else None
 
-        per_step = n // args.num_steps_per_rollout
-        step_metrics: list[dict[str, float]] = []
-        grad_norms: list[float] = []
-        for s in range(args.num_steps_per_rollout):
-            step_idx = list(range(s * per_step, (s + 1) * per_step))
-            mbs = self._micro_batches(batch, step_idx)
-            weights, global_tokens = self._step_weights(masks, step_idx)
-            weight_of = dict(zip(step_idx, weights))
-            sums: dict[str, Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in METRIC_KEYS}
-
-            def loss_fn(k: int, lp: Tensor, ent: Tensor) -> Tensor:
-                idx = mbs[k]
-                split = [lengths[i] for i in idx]
-                mask = torch.cat([masks[i] for i in idx]).to(dev)
-                adv = torch.cat([advantages[i] for i in idx]).to(dev)
-                current = lp.detach()
-                if s == 0 and source != "pass":  # the first step's forward runs before any update
-                    for i, part in zip(idx, current.cpu().split(split)):
-                        pre_lps[i] = part
-                old = current if source == "forward" else torch.cat([old_lps[i] for i in idx]).to(dev)
-                pg, clipfrac = policy_loss(
-                    lp, old, adv, args.eps_clip, args.eps_clip_high, eps_clip_c=args.eps_clip_c,
-                    response_lengths=split, loss_mask=mask, args=args,
-                )
-                extra: dict[str, Tensor] = {}
-                if tis_fn is not None:
-                    # the trainer's log-probs under the policy that generated the rollout vs the engine's
-                    train_side = current if source == "rollout" else old
-                    rl = torch.cat([rollout_lps[i] for i in idx]).to(dev)
-                    pg, pg_mask, extra = tis_fn(args, pg_loss=pg, train_log_probs=train_side, rollout_log_probs=rl,
-                                                loss_mask=mask, response_lengths=split)
-                    pg = pg * pg_mask.to(pg.dtype)
-                tok_loss = pg
-                kl_tok = torch.zeros_like(pg)
-                if self.use_kl_loss:
-                    ref = torch.cat([ref_lps[i] for i in idx]).to(dev)
-                    ratio = torch.exp(lp - old) if args.use_unbiased_kl else None
-                    kl_tok = kl_penalty(lp, ref, args.kl_loss_type, importance_ratio=ratio)
-                    tok_loss = tok_loss + args.kl_loss_coef * kl_tok
-                if args.entropy_coef:
-                    tok_loss = tok_loss - args.entropy_coef * ent
-                with torch.no_grad():
-                    vals = dict(zip(METRIC_KEYS, (tok_loss, pg, kl_tok, ent, clipfrac, old - lp)))
-                    vals.update(extra)
-                    for key, v in vals.items():
-                        sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + \
-                            masked_sum(v.detach().double(), mask).cpu()
-                w = torch.cat([weight_of[i] for i in idx]).to(dev)
-                return (tok_loss * w).sum() * self.world_size
-
-            grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn,
-                                            entropy_grad=bool(args.entropy_coef)))
-            keys = list(METRIC_KEYS) + sorted(set(sums) - set(METRIC_KEYS))  # the same on every rank
-            totals = be.all_reduce_sum(torch.stack([sums[key] for key in keys])) / max(global_tokens, 1.0)
-            step_metrics.append(dict(zip(keys, totals.tolist())))
-
-        # |train log-prob before the update - rollout log-prob| over loss-mask tokens
+    def _logprob_mismatch(self, batch: RolloutBatch, masks: list[Tensor], pre_lps: list[Tensor | None]) -> Tensor:
+        """[sum over loss-mask tokens of |train log-prob before the update - rollout log-prob|, those
+        tokens] over all ranks (samples without the engine's log-probs left out). Collective."""
         diff = torch.zeros(2, dtype=torch.float64)
-        for i in range(n):
-            if has_rollout_lp[i] and lengths[i] > 0 and pre_lps[i] is not None:
-                rl = torch.as_tensor(batch.rollout_log_probs[i], dtype=torch.float32)
-                diff[0] += float(masked_sum((pre_lps[i].float() - rl).abs(), masks[i]))
+        for i, r in enumerate(batch.response_lengths):
+            rl = self._engine_log_probs(batch, i)
+            if rl is not None and len(rl) == r and r > 0 and pre_lps[i] is not None:
+                diff[0] += float(masked_sum((pre_lps[i].float() - torch.as_tensor(rl, dtype=torch.float32)).abs(),
+                                            masks[i]))
                 diff[1] += float(masks[i].sum())
-        diff = be.all_reduce_sum(diff)
-
-        metrics = {f"train/{k}": sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
-        metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
-        metrics["train/lr"] = be.lr
-        if diff[1] > 0:
-            metrics["train/train_rollout_logprob_abs_diff"] = float(diff[0] / diff[1])
-        adv_stats = be.all_reduce_sum(whiten_stats(advantages, masks))
-        metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
-        return metrics
-
-    def _train_sft(self, batch: RolloutBatch) -> dict[str, float]:
-        """`--loss-type sft_loss`: negative log-likelihood of the loss-mask tokens, aggregated with
-        `--loss-agg-mode` over the same steps and micro-batches as the RL loss."""
-        args, be = self.args, self.backend
-        n = len(batch)
-        masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
-        per_step = n // args.num_steps_per_rollout
-        losses, grad_norms, tokens = [], [], 0.0
-        for s in range(args.num_steps_per_rollout):
-            step_idx = list(range(s * per_step, (s + 1) * per_step))
-            mbs = self._micro_batches(batch, step_idx)
-            weights, global_tokens = self._step_weights(masks, step_idx)
-            weight_of = dict(zip(step_idx, weights))
-            nll = torch.zeros((), dtype=torch.float64)
-
-            def loss_fn(k: int, lp: Tensor, _ent) -> Tensor:
-                nonlocal nll
-                idx = mbs[k]
-                mask = torch.cat([masks[i] for i in idx]).to(be.device)
-                tok_loss = sft_loss(lp)
-                nll = nll + masked_sum(tok_loss.detach().double(), mask).cpu()
-                w = torch.cat([weight_of[i] for i in idx]).to(be.device)
-                return (tok_loss * w).sum() * self.world_size
-
-            grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn))
-            losses.append(float(be.all_reduce_sum(nll.reshape(1))[0]) / max(global_tokens, 1.0))
-            tokens += global_tokens
-        loss = sum(losses) / len(losses)
-        return {"train/loss": loss, "train/sft_loss": loss, "train/grad_norm": sum(grad_norms) / len(grad_norms),
-                "train/lr": be.lr, "train/loss_tokens": tokens}
+        return self.backend.all_reduce_sum(diff)
 
     def last_returns(self) -> list[Tensor] | None:
         """The critic's targets from the last `train` (PPO): advantages + values, before whitening."""
         return self._returns
+
+    # ------------------------------------------------------------ SFT (--loss-type sft_loss)
+
+    def _train_sft(self, batch: RolloutBatch) -> dict[str, float]:
+        """Negative log-likelihood of the loss-mask tokens, aggregated with `--loss-agg-mode` over the
+        same steps and micro-batches as the RL loss."""
+        steps = self._run_steps(batch, self._masks(batch), self._sft_token_loss, ("loss",))
+        loss = steps.mean()["loss"]
+        return {"train/loss": loss, "train/sft_loss": loss, "train/grad_norm": steps.grad_norm,
+                "train/lr": self.backend.lr, "train/loss_tokens": steps.tokens}
+
+    @staticmethod
+    def _sft_token_loss(s: int, idx: list[int], lp: Tensor, ent, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        tok_loss = sft_loss(lp)
+        return tok_loss, {"loss": tok_loss}
 
     # ------------------------------------------------------------ critic (role "critic")
 
@@ -387,85 +448,61 @@ class TrainActor:
     @resident
     def train_critic(self, rollout_id: int, batch: RolloutBatch, returns: list[Tensor]) -> dict[str, float]:
         """Regress values on `returns` (clipped value loss, `--value-clip`), same steps as the actor."""
-        args, be = self.args, self.backend
         if self.role != "critic":
             raise RuntimeError("train_critic is a critic method")
         self._check(batch)
-        n = len(batch)
-        masks = [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
-        cached = getattr(self, "_old_values", None)
+        masks = self._masks(batch)
+        cached = self._old_values
         old_values = cached[1] if cached is not None and cached[0] == rollout_id else self._no_grad_values(batch)
-        if returns is None or len(returns) != n:
-            raise ValueError(f"critic got {0 if returns is None else len(returns)} returns for {n} samples")
-        dev = be.device
-        per_step = n // args.num_steps_per_rollout
-        keys = ("value_loss", "value_clipfrac", "values", "returns")
-        step_metrics, grad_norms = [], []
-        for s in range(args.num_steps_per_rollout):
-            step_idx = list(range(s * per_step, (s + 1) * per_step))
-            mbs = self._micro_batches(batch, step_idx)
-            weights, global_tokens = self._step_weights(masks, step_idx)
-            weight_of = dict(zip(step_idx, weights))
-            sums = torch.zeros(len(keys), dtype=torch.float64)
-
-            def loss_fn(k: int, values: Tensor, _ent) -> Tensor:
-                idx = mbs[k]
-                mask = torch.cat([masks[i] for i in idx]).to(dev)
-                old = torch.cat([old_values[i] for i in idx]).to(dev)
-                ret = torch.cat([torch.as_tensor(returns[i], dtype=torch.float32) for i in idx]).to(dev)
-                loss, clipfrac = value_loss(values, old, ret, args.value_clip)
-                with torch.no_grad():
-                    vals = (loss, clipfrac, values, ret)
-                    sums.add_(torch.stack([masked_sum(v.detach().double(), mask) for v in vals]).cpu())
-                w = torch.cat([weight_of[i] for i in idx]).to(dev)
-                return (loss * w).sum() * self.world_size
-
-            grad_norms.append(be.train_step([self._mb(batch, idx) for idx in mbs], loss_fn))
-            step_metrics.append(be.all_reduce_sum(sums) / max(global_tokens, 1.0))
-        mean = torch.stack(step_metrics).mean(0)
-        metrics = {f"critic/{k}": float(mean[j]) for j, k in enumerate(keys)}
-        metrics["critic/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
-        metrics["critic/lr"] = be.lr
+        if returns is None or len(returns) != len(batch):
+            raise ValueError(f"critic got {0 if returns is None else len(returns)} returns for {len(batch)} samples")
+        steps = self._run_steps(batch, masks, partial(self._value_token_loss, old_values, returns), CRITIC_METRIC_KEYS)
+        # torch's mean over the steps (its summation order differs from Python's sum from 5 steps
+        # on): the critic's metrics stay bitwise those of earlier runs
+        mean = torch.tensor([[m[k] for k in CRITIC_METRIC_KEYS] for m in steps.metrics], dtype=torch.float64).mean(0)
+        metrics = {f"critic/{k}": float(mean[j]) for j, k in enumerate(CRITIC_METRIC_KEYS)}
+        metrics["critic/grad_norm"] = steps.grad_norm
+        metrics["critic/lr"] = self.backend.lr
         self._old_values = None
         return metrics
+
+    def _value_token_loss(self, old_values: list[Tensor], returns: list[Tensor], s: int, idx: list[int],
+                          values: Tensor, ent, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        dev = self.backend.device
+        old = torch.cat([old_values[i] for i in idx]).to(dev)
+        ret = torch.cat([torch.as_tensor(returns[i], dtype=torch.float32) for i in idx]).to(dev)
+        loss, clipfrac = value_loss(values, old, ret, self.args.value_clip)
+        return loss, dict(zip(CRITIC_METRIC_KEYS, (loss, clipfrac, values, ret)))
 
     # ------------------------------------------------------------ weights and checkpoints
 
     @resident
     def update_weights(self, engine_urls: list[str], weight_version: int) -> dict:
-        """Push the weights by `--update-weights-mode` (slime/training/weight_push.py). Collective."""
-        if getattr(self, "_pusher", None) is None:
-            from slime.training.weight_push import WeightPusher
+        """Push the weights to `engine_urls` through this run's transport (`--update-weights-mode`,
+        slime/training/weight_sync/). Collective."""
+        self._transport.connect(engine_urls)
+        return self._transport.push(self.backend.named_weights(), weight_version)
 
-            self._pusher = WeightPusher(self.args, self.rank)
-        return self._pusher.push(self.backend.named_weights(), engine_urls, weight_version)
+    @resident
+    def check_weights(self, engine_urls: list[str]) -> int:
+        """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
+        return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
 
     # ------------------------------------------------------------ colocated memory handoff
 
     def offload(self) -> dict:
         """--colocate: free this rank's parameters, optimizer state and reference model while the
         engines generate (slime/training/offload.py). Returns {"bytes", "seconds", "rss"}."""
-        from slime.training.offload import Offloader, backend_tensors, rss_bytes
-
-        if getattr(self, "_offloader", None) is None:
-            self._offloader = Offloader(getattr(self.args, "offload_dir", None))
+        if self._offloader is None:
+            self._offloader = Offloader(self.args.offload_dir)
         stats = self._offloader.offload(backend_tensors(self.backend))
         return dict(stats, rss=rss_bytes())
 
     def onload(self) -> dict:
         """Undo `offload` (bitwise). Returns {"bytes", "seconds", "rss"}."""
-        from slime.training.offload import rss_bytes
-
-        off = getattr(self, "_offloader", None)
+        off = self._offloader
         stats = off.onload() if off is not None else {"bytes": 0, "seconds": 0.0}
         return dict(stats, rss=rss_bytes())
-
-    @resident
-    def check_weights(self, engine_urls: list[str]) -> int:
-        """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
-        from slime.training.weight_sync import check_engine_weights
-
-        return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
 
     @resident
     def save(self, path: str) -> None:
@@ -521,10 +558,6 @@ def token_budget_micro_batches(lengths: list[int], budget: int, min_groups: int 
 
 def rng_states() -> dict:
     """Python, NumPy and torch (CPU and CUDA) random states, for exact resume."""
-    import random
-
-    import numpy as np
-
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
@@ -532,10 +565,6 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])

@@ -21,7 +21,9 @@ onload first and offload again afterwards, so a stray call never reads freed mem
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -29,35 +31,29 @@ import tempfile
 import time
 from typing import Iterable
 
+import psutil
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
 
 def rss_bytes(pid: int | None = None) -> int:
     """Resident set size of a process (this one by default), from /proc via psutil."""
-    import psutil
-
     return psutil.Process(pid).memory_info().rss
 
 
 def trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
-    import gc
-
     gc.collect()
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -69,8 +65,6 @@ def _bytes_view(storage: torch.UntypedStorage) -> Tensor:
 def _host_buffer(storage: torch.UntypedStorage) -> memoryview:
     """The bytes of a CPU storage as a writable memoryview (no copy; unlike `.numpy()` this
     leaves the storage resizable)."""
-    import ctypes
-
     return memoryview((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
 
 
@@ -192,10 +186,9 @@ class Offloader:
 
 def backend_tensors(backend) -> list[Tensor]:
     """Everything a training backend keeps per rank: parameters, gradients, optimizer state, the
-    frozen reference model. Works for any backend with `model`, `optimizer` and `ref_model`."""
+    frozen reference model (`model`, `optimizer`, `ref_model` of a `TrainBackend`)."""
     out: list[Tensor] = []
-    for name in ("model", "ref_model"):
-        module = getattr(backend, name, None)
+    for module in (backend.model, backend.ref_model):
         if module is None:
             continue
         for p in module.parameters():
@@ -203,23 +196,22 @@ def backend_tensors(backend) -> list[Tensor]:
             if p.grad is not None:
                 out.append(p.grad)
         out.extend(b for b in module.buffers())
-    opt = getattr(backend, "optimizer", None)
-    if opt is not None:
-        for state in opt.state.values():
-            out.extend(v for v in state.values() if isinstance(v, Tensor))
+    for state in backend.optimizer.state.values():
+        out.extend(v for v in state.values() if isinstance(v, Tensor))
     return out
 
 
 def resident(method=None, *, stay: bool = False):
     """Decorator for TrainActor methods that read or write the weights: when the actor is
-    offloaded, onload for the call and offload again afterwards. `stay=True` (methods whose
-    result may alias the weights in-process, such as `full_state`) leaves it onloaded."""
+    offloaded (its `_offloader`, an Offloader or None, holds the bytes), onload for the call and
+    offload again afterwards. `stay=True` (methods whose result may alias the weights
+    in-process, such as `full_state`) leaves it onloaded."""
     if method is None:
         return functools.partial(resident, stay=stay)
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        off = getattr(self, "_offloader", None)
+        off = self._offloader
         if off is None or not off.is_offloaded:
             return method(self, *args, **kwargs)
         self.onload()

@@ -20,10 +20,10 @@ from slime.rollout.filters import DynamicFilterOutput
 
 CALLS = []
 
-def double_ppo(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high=None, *, eps_clip_c=None,
-               response_lengths=None, loss_mask=None, args=None):
-    CALLS.append(("loss", len(response_lengths), int(loss_mask.sum())))
-    loss, clipfrac = ppo_policy_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+def double_ppo(args, inputs):
+    assert args.loss_type == "custom_loss"  # the run's args, bound first by the trainer
+    CALLS.append(("loss", len(inputs.response_lengths), int(inputs.loss_mask.sum())))
+    loss, clipfrac = ppo_policy_loss(inputs)
     return 2 * loss, clipfrac
 
 def doubled_rewards(args, rewards, response_lengths, *, loss_masks, kl, values, group_indices, raw_rewards,

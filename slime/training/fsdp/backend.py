@@ -19,12 +19,7 @@ the backend checks once that the model honours packing (packed == separate forwa
 two short sequences) and otherwise falls back to padded [B, T] rows with an attention
 mask, as it does with `--disable-sequence-packing`.
 
-Interface used by `slime.training.actor.TrainActor` (DESIGN §4):
-    forward_logprobs(mb, ...) -> (log_probs Tensor[N], entropy Tensor[N] | None)
-    train_step(micro_batches, loss_fn, ...) -> grad_norm
-    named_weights() -> iterator of (HF name, full tensor)   # collective
-    save(path) / load(path)                                   # collective
-    all_reduce_sum(tensor) -> tensor
+Implements `slime.training.backend.TrainBackend`, the contract `TrainActor` calls.
 """
 
 from __future__ import annotations
@@ -36,14 +31,23 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
-from slime.training.backend_common import StepTail
+from slime.training.backend import LossFn, MicroBatch, StepTail
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +65,6 @@ class FSDPBackend(StepTail):
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
-
         self.args = args
         self.rank = rank
         self.world_size = world_size
@@ -74,7 +74,7 @@ class FSDPBackend(StepTail):
         else:
             self.device = torch.device("cpu")
         # log-probs are scored at the temperature the engine sampled with (SFT: the data's, T = 1)
-        sft = getattr(args, "loss_type", None) == "sft_loss"
+        sft = args.loss_type == "sft_loss"
         self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
         self._owns_process_group = False
@@ -124,7 +124,7 @@ class FSDPBackend(StepTail):
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.pack = not getattr(args, "disable_sequence_packing", False)
+        self.pack = not args.disable_sequence_packing
         if self.pack and not self._packing_is_exact():
             logger.warning("%s ignores packed position_ids here; training on padded rows instead",
                            type(model).__name__)
@@ -151,7 +151,7 @@ class FSDPBackend(StepTail):
 
     # ------------------------------------------------------------ forward
 
-    def forward_logprobs(self, mb, *, grad: bool = False, with_entropy: bool = False,
+    def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
                          entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and optionally entropy) of every response token of a micro-batch.
 
@@ -166,7 +166,7 @@ class FSDPBackend(StepTail):
         with torch.set_grad_enabled(grad and not ref):
             return self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
 
-    def forward_values(self, mb, *, grad: bool = False) -> Tensor:
+    def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
         """Critic values of every response token of a micro-batch (value head models only).
 
         returns Tensor[N], N = sum(response_lengths), in sample order: response token t's value
@@ -305,7 +305,7 @@ class FSDPBackend(StepTail):
 
     # ------------------------------------------------------------ training
 
-    def train_step(self, micro_batches: list, loss_fn: Callable[[int, Tensor, Tensor], Tensor],
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                    *, entropy_grad: bool = False) -> float:
         """Forward/backward every micro-batch, clip, optimizer step, zero grad.
 
@@ -335,8 +335,6 @@ class FSDPBackend(StepTail):
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full (unsharded) model and optimizer state dicts on CPU; rank 0 gets them, others
         get empty dicts. Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, get_model_state_dict
-
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if optimizer:
             return get_state_dict(self.model, self.optimizer, options=opts)
@@ -344,9 +342,6 @@ class FSDPBackend(StepTail):
 
     def save(self, path: str | Path) -> None:
         """rank 0: `path/hf` (HF safetensors + config + tokenizer); all ranks: `path/train_state` (DCP)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         path = Path(path)
         model_sd, _ = self.full_state(optimizer=False)
         if self.rank == 0:
@@ -359,9 +354,6 @@ class FSDPBackend(StepTail):
 
     def load(self, path: str | Path) -> None:
         """Restore model and optimizer state from `path/train_state` (any DP size)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
         state_dir = Path(path) / "train_state"
         if not state_dir.is_dir():
             raise FileNotFoundError(f"no training state at {state_dir}")
@@ -373,8 +365,6 @@ class FSDPBackend(StepTail):
             dist.barrier()
 
     def _write_hf(self, out: Path, state_dict: dict[str, Tensor]) -> None:
-        from safetensors.torch import save_file
-
         out.mkdir(parents=True, exist_ok=True)
         src = Path(self.args.hf_checkpoint)
         for f in src.iterdir():
@@ -419,8 +409,6 @@ class FSDPBackend(StepTail):
 
 
 def _full(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

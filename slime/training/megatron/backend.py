@@ -1,4 +1,6 @@
-"""megatron-core training backend (`--train-backend megatron`): same interface as FSDPBackend.
+"""megatron-core training backend (`--train-backend megatron`): `slime.training.backend.TrainBackend`,
+like FSDPBackend. This module imports megatron-core at the top: the trainer imports it only for
+`--train-backend megatron`, after checking that megatron-core is installed.
 
 Model: a megatron-core GPTModel (local layer spec) built from the HF config and filled from
 the HF checkpoint (`model.py`, `weights.py`), fp32 master weights, kept in eval mode
@@ -33,15 +35,21 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from safetensors.torch import save_file
 from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
-from slime.training.backend_common import StepTail
+from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training.megatron import shims
+from slime.training.megatron.model import build_model
+from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
 from slime.utils.errors import SlimeConfigError
 
 
@@ -50,9 +58,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msg
 
 
 def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    cp = getattr(args, "context_parallel_size", 1)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if world_size % (tp * pp * cp):
         raise SlimeConfigError(f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp}) must divide the "
                                f"{world_size} train ranks")
@@ -62,7 +68,7 @@ def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
     if cp > 1:
         raise SlimeConfigError("--context-parallel-size > 1 needs Transformer Engine's attention on GPUs "
                                "(megatron-core's local attention has no context-parallel path)")
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         raise SlimeConfigError("--sequence-parallel is not supported by slime's megatron backend yet: its local "
                                "layer spec uses torch norms, which megatron refuses under sequence parallelism "
                                "(it needs the Transformer Engine layer spec on GPUs)")
@@ -74,12 +80,6 @@ class MegatronBackend(StepTail):
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
-        from slime.utils.megatron_convert import require_megatron
-
-        require_megatron()
-        from megatron.core import parallel_state as ps
-        from transformers import AutoConfig
-
         if value_head:
             raise SlimeConfigError("--train-backend megatron has no PPO critic (value head) yet; "
                                    "use --train-backend fsdp for --advantage-estimator ppo")
@@ -90,7 +90,7 @@ class MegatronBackend(StepTail):
         else:
             self.device = torch.device("cpu")
         self.tp, _, _ = _check_parallel(args, world_size)
-        sft = getattr(args, "loss_type", None) == "sft_loss"
+        sft = args.loss_type == "sft_loss"
         self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
         self._owns_process_group = False
@@ -126,18 +126,12 @@ class MegatronBackend(StepTail):
                                            weight_decay=args.weight_decay)
 
     def _hf_state(self) -> dict[str, Tensor]:
-        from transformers import AutoModelForCausalLM
-
         hf = AutoModelForCausalLM.from_pretrained(self.args.hf_checkpoint, dtype=torch.float32)
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
     def _build(self, hf_state):
-        from slime.training.megatron.model import build_model
-        from slime.training.megatron.weights import load_hf_into
-
         with shims.cpu_only_cuda_shims():
-            model = build_model(self.hf_config, tp=self.tp,
-                                sequence_parallel=bool(getattr(self.args, "sequence_parallel", False)))
+            model = build_model(self.hf_config, tp=self.tp, sequence_parallel=self.args.sequence_parallel)
         load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
         return model.to(self.device)
 
@@ -193,7 +187,7 @@ class MegatronBackend(StepTail):
             ents.append(ent)
         return lps, ents
 
-    def forward_logprobs(self, mb, *, grad: bool = False, with_entropy: bool = False,
+    def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
                          entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropy) of every response token of this rank's micro-batch, Tensor[N]
         in sample order (collective over the TP group)."""
@@ -211,7 +205,7 @@ class MegatronBackend(StepTail):
         ent = (torch.cat(ents[s:e]) if e > s else torch.zeros(0, device=self.device)) if with_entropy else None
         return lp, ent
 
-    def forward_values(self, mb, *, grad: bool = False) -> Tensor:
+    def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
         raise RuntimeError("--train-backend megatron has no value head (PPO critic); use --train-backend fsdp")
 
     # ------------------------------------------------------------ training
@@ -223,13 +217,11 @@ class MegatronBackend(StepTail):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
         return int(t[0])
 
-    def train_step(self, micro_batches: list, loss_fn: Callable[[int, Tensor, Tensor], Tensor],
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                    *, entropy_grad: bool = False) -> float:
         """Forward/backward every micro-batch, reduce gradients, clip, AdamW step, zero grad.
         loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) as for FSDPBackend.
         returns the total gradient norm before clipping (identical on every rank)."""
-        from slime.training.actor import MicroBatch
-
         n_local = len(micro_batches)
         for k in range(self._tp_max(n_local)):
             mb = micro_batches[k] if k < n_local else MicroBatch([], [])
@@ -276,8 +268,6 @@ class MegatronBackend(StepTail):
         torch.autograd.backward(outputs, upstream)
 
     def _finish_step(self) -> float:
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
         named = list(self.model.named_parameters())
         params = [p for _, p in named]
         for p in params:
@@ -317,8 +307,6 @@ class MegatronBackend(StepTail):
         return parts
 
     def _hf_full(self) -> dict[str, Tensor]:
-        from slime.training.megatron.weights import full_mcore_state, to_hf
-
         return to_hf(full_mcore_state(self.model, self._gather), self.hf_config)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -329,8 +317,6 @@ class MegatronBackend(StepTail):
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """HF-named full model state (a tied head listed too, like HF's state_dict) and the AdamW
         state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere. Collective."""
-        from slime.training.megatron.weights import partition_dim, unshard
-
         sd = {k: v.cpu() for k, v in self._hf_full().items()}
         if getattr(self.hf_config, "tie_word_embeddings", False):
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -390,8 +376,6 @@ class MegatronBackend(StepTail):
             dist.barrier()
 
     def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
-        from safetensors.torch import save_file
-
         out.mkdir(parents=True, exist_ok=True)
         for f in Path(self.args.hf_checkpoint).iterdir():
             if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
@@ -401,8 +385,6 @@ class MegatronBackend(StepTail):
                   metadata={"format": "pt"})
 
     def close(self) -> None:
-        from megatron.core import parallel_state as ps
-
         if self._owns_mp and ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
             self._owns_mp = False

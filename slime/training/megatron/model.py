@@ -7,7 +7,8 @@ SwiGLU, grouped-query heads, head_dim, RoPE base, biases, qk-norm) is the one th
 tools use (`slime.utils.megatron_convert.transformer_config`), so the trainer and the
 torch_dist checkpoints describe the same model.
 
-Needs `megatron.core.parallel_state` to be initialized (see backend.py).
+Needs `megatron.core.parallel_state` to be initialized (see backend.py). Imports megatron-core at
+the top, like backend.py (the only module that imports this one).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from slime.utils import megatron_convert as mc
 from slime.utils.errors import SlimeConfigError
@@ -41,9 +46,6 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank sees full [b, s, V_padded] logits.
     """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     check_parallel_config(config, tp)
     theta, _ = mc._rope(config)
     tconf = dataclasses.replace(mc.transformer_config(config, dtype), tensor_model_parallel_size=tp,
@@ -74,9 +76,6 @@ def _mark_tensor_parallel(model) -> None:
     `perform_initialization=False` (every weight comes from the HF checkpoint) it skips that, so
     the attributes that gradient-norm bookkeeping (`param_is_not_tensor_parallel_duplicate`) and
     our sharding (weights.py) read would be missing. Same values megatron would set."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0

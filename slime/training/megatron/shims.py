@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 
 @contextlib.contextmanager
 def cpu_only_cuda_shims():
     """Shim 1 (see the module docstring). A no-op when CUDA is available."""
-    import torch
-
     if torch.cuda.is_available():
         yield
         return
@@ -53,10 +53,9 @@ def cpu_only_cuda_shims():
 
 def use_cpu_rng_tracker() -> None:
     """Shim 2: megatron's inference RNG tracker (fork = null context) when there is no CUDA."""
-    import torch
-
     if torch.cuda.is_available():
         return
+    # megatron-core is optional: slime.utils.megatron_convert imports this module without it
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -64,6 +63,4 @@ def use_cpu_rng_tracker() -> None:
 
 def causal_mask(seq_len: int, device):
     """Shim 3: megatron's causal attention mask ([1, 1, s, s], True = masked), built on `device`."""
-    import torch
-
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -13,12 +13,19 @@ from slime.algorithms.losses import (
     compute_log_probs_and_entropy,
     kl_penalty,
     masked_mean,
+    LossInputs,
     masked_sum,
-    policy_loss,
+    ppo_policy_loss,
     token_mean_over,
 )
 
 EPS = 1e-6
+
+
+def _inputs(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high=None, **rest):
+    """The one record every policy loss takes, from the arguments in their usual order."""
+    return LossInputs(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, eps_clip=eps_clip,
+                      eps_clip_high=eps_clip_high, **rest)
 
 
 # ---------------------------------------------------------------- advantages
@@ -95,23 +102,23 @@ def test_policy_loss_asymmetric_clip_and_clipfrac():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 2.0])
     old = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.0, -1.0, -2.0])
     lp = old + ratio.log()
-    loss, clipfrac = policy_loss(lp, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    loss, clipfrac = ppo_policy_loss(_inputs(lp, old, adv, eps_clip=0.2, eps_clip_high=0.28))
     # 1.5,A=1 -> max(-1.5, -1.28) clipped; 0.5,A=1 -> max(-0.5, -0.8) not; 0.5,A=-1 -> max(0.5, 0.8) clipped
     # 1.5,A=-1 -> max(1.5, 1.28) not; 1.25 within the high clip 1.28 -> not; 0.85 within the low clip -> not
     expected = torch.tensor([-1.28, -0.5, 0.8, 1.5, -1.25, 0.85, -2.5])
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     assert clipfrac.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     # symmetric 0.2 clips the 1.25 ratio with positive advantage
-    loss_sym, clip_sym = policy_loss(lp, old, adv, eps_clip=0.2)
+    loss_sym, clip_sym = ppo_policy_loss(_inputs(lp, old, adv, eps_clip=0.2))
     torch.testing.assert_close(loss_sym[4], torch.tensor(-1.2))
     assert clip_sym.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
-    assert POLICY_LOSSES["ppo"](lp, old, adv, 0.2, 0.28)[1].tolist() == clipfrac.tolist()
+    assert POLICY_LOSSES["ppo"](_inputs(lp, old, adv, 0.2, 0.28))[1].tolist() == clipfrac.tolist()
 
 
 def test_policy_loss_ratio_one_gradient_is_minus_advantage():
     lp = torch.tensor([-1.0, -2.0, -0.3], requires_grad=True)
     adv = torch.tensor([0.5, -2.0, 1.0])
-    loss, clipfrac = policy_loss(lp, lp.detach(), adv, 0.2, 0.2)
+    loss, clipfrac = ppo_policy_loss(_inputs(lp, lp.detach(), adv, 0.2, 0.2))
     loss.sum().backward()
     assert clipfrac.tolist() == [0.0, 0.0, 0.0]
     assert loss.tolist() == (-adv).tolist()
@@ -239,7 +246,6 @@ from slime.algorithms.losses import (  # noqa: E402
     aggregation_weights,
     cispo_policy_loss,
     gspo_policy_loss,
-    ppo_policy_loss,
     sequence_mean,
     value_loss,
 )
@@ -334,11 +340,11 @@ def test_dual_clip_caps_negative_advantage_loss():
     old = torch.zeros(3)
     lp = torch.log(torch.tensor([5.0, 5.0, 0.5]))
     adv = torch.tensor([-1.0, 1.0, -1.0])
-    loss, _ = ppo_policy_loss(lp, old, adv, 0.2, 0.2, eps_clip_c=3.0)
+    loss, _ = ppo_policy_loss(_inputs(lp, old, adv, 0.2, 0.2, eps_clip_c=3.0))
     # ratio 5, A<0: max(5, 1.2) = 5, capped at 3; A>0 untouched (-1.2); ratio .5, A<0 -> 0.8 (< 3)
     torch.testing.assert_close(loss, torch.tensor([3.0, -1.2, 0.8]))
     with pytest.raises(ValueError):
-        ppo_policy_loss(lp, old, adv, 0.2, 0.2, eps_clip_c=0.5)
+        ppo_policy_loss(_inputs(lp, old, adv, 0.2, 0.2, eps_clip_c=0.5))
 
 
 def test_gspo_uses_the_sequence_ratio_and_reduces_to_ppo_for_single_tokens():
@@ -346,13 +352,14 @@ def test_gspo_uses_the_sequence_ratio_and_reduces_to_ppo_for_single_tokens():
     lp = old + torch.tensor([0.2, -0.1, 0.5, 0.0])
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    loss, clipfrac = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[2, 2], loss_mask=mask)
+    loss, clipfrac = gspo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28, response_lengths=[2, 2], loss_mask=mask))
     s0, s1 = math.exp(0.05), math.exp(0.5)  # masked means: (0.2 - 0.1) / 2; 0.5 / 1
     torch.testing.assert_close(loss, torch.tensor([-s0, -s0, s1, s1]))
     assert clipfrac.tolist() == [0.0, 0.0, 0.0, 0.0]  # A<0 with a large ratio: the unclipped term is larger
     # one-token sequences: exactly PPO
-    pl, pc = ppo_policy_loss(lp, old, adv, 0.2, 0.28)
-    gl, gc = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[1, 1, 1, 1], loss_mask=torch.ones(4))
+    pl, pc = ppo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28))
+    gl, gc = gspo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28, response_lengths=[1, 1, 1, 1],
+                                      loss_mask=torch.ones(4)))
     torch.testing.assert_close(gl, pl)
     assert gc.tolist() == pc.tolist()
 
@@ -364,15 +371,15 @@ def test_gspo_is_per_sequence_so_split_invariant_and_on_policy_gradient_is_ppos(
     adv = torch.tensor([0.7] * 3 + [-1.2] + [0.3] * 4)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
     lp = (old + 0.1 * torch.randn(8, generator=g)).requires_grad_(True)
-    whole, _ = gspo_policy_loss(lp, old, adv, 0.2, response_lengths=lengths, loss_mask=mask)
-    parts = torch.cat([gspo_policy_loss(lp[a:b], old[a:b], adv[a:b], 0.2, response_lengths=[b - a],
-                                        loss_mask=mask[a:b])[0] for a, b in ((0, 3), (3, 4), (4, 8))])
+    whole, _ = gspo_policy_loss(_inputs(lp, old, adv, 0.2, response_lengths=lengths, loss_mask=mask))
+    parts = torch.cat([gspo_policy_loss(_inputs(lp[a:b], old[a:b], adv[a:b], 0.2, response_lengths=[b - a],
+                                                loss_mask=mask[a:b]))[0] for a, b in ((0, 3), (3, 4), (4, 8))])
     torch.testing.assert_close(whole, parts)
     # at ratio 1 the token-summed GSPO gradient equals the PPO (and CISPO) gradient: -A on mask tokens
     grads = []
     for fn in (gspo_policy_loss, ppo_policy_loss, cispo_policy_loss):
         x = old.clone().requires_grad_(True)
-        loss, _ = fn(x, old, adv, 0.2, 0.28, response_lengths=lengths, loss_mask=mask)
+        loss, _ = fn(_inputs(x, old, adv, 0.2, 0.28, response_lengths=lengths, loss_mask=mask))
         (loss * mask).sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], -adv * mask)
@@ -387,13 +394,13 @@ def test_cispo_keeps_gradient_on_clipped_tokens():
     ratio = torch.tensor([1.5, 0.5, 1.1])
     adv = torch.tensor([1.0, 1.0, -2.0])
     lp = ratio.log().requires_grad_(True)
-    loss, clipfrac = cispo_policy_loss(lp, old, adv, 0.2, 0.28)
+    loss, clipfrac = cispo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28))
     torch.testing.assert_close(loss, -torch.tensor([1.28, 0.8, 1.1]) * adv * ratio.log())
     assert clipfrac.tolist() == [1.0, 1.0, 0.0]
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, -torch.tensor([1.28, 0.8, 1.1]) * adv)  # PPO's would be [0, -1 * .5, ...]
     x = ratio.log().requires_grad_(True)
-    ppo_policy_loss(x, old, adv, 0.2, 0.28)[0].sum().backward()
+    ppo_policy_loss(_inputs(x, old, adv, 0.2, 0.28))[0].sum().backward()
     assert x.grad[0].item() == 0.0  # the PPO clip kills the gradient where CISPO keeps it
 
 
@@ -547,7 +554,8 @@ def test_gspo_equals_token_level_ppo_when_a_sequence_shares_one_ratio():
     shift = torch.tensor([0.1, 0.1, 0.1, -0.4, -0.4])  # sequences [3, 2], one log-ratio each
     lp = (old + shift).requires_grad_()
     adv = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0])
-    gl, gc = gspo_policy_loss(lp, old, adv, 0.2, 0.28, response_lengths=[3, 2], loss_mask=torch.ones(5))
-    pl, pc = ppo_policy_loss(lp, old, adv, 0.2, 0.28)
+    gl, gc = gspo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28, response_lengths=[3, 2],
+                                      loss_mask=torch.ones(5)))
+    pl, pc = ppo_policy_loss(_inputs(lp, old, adv, 0.2, 0.28))
     torch.testing.assert_close(gl, pl)
     assert gc.tolist() == pc.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]

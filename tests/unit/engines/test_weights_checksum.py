@@ -32,7 +32,7 @@ def test_check_engine_weights_over_http(tiny_model_dir, tmp_path):
     import pytest
     from safetensors.torch import save
 
-    from slime.engines.client import post_bytes
+    from slime.engines.control import EngineControl
     from slime.training.weight_sync import check_engine_weights
     from tests.helpers.native_server import native_server
 
@@ -40,8 +40,7 @@ def test_check_engine_weights_over_http(tiny_model_dir, tmp_path):
     named = list(reference.named_parameters())
     with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _):
         assert check_engine_weights(named, [url]) == len(named)
-        post_bytes(url, "/update_weights_from_tensor", save({"model.norm.weight": torch.zeros(128)}),
-                   {"weight_version": "1"})
+        EngineControl(url).update_weights_from_tensor(save({"model.norm.weight": torch.zeros(128)}), "1")
         with pytest.raises(RuntimeError, match=r"serves weights that differ from the trainer's: \['model.norm.weight'\] \(1 of"):
             check_engine_weights(named, [url])
         assert check_engine_weights(named, [url], check=False) == len(named)  # non-checking ranks only hash

@@ -30,7 +30,7 @@ def _varied_batch(model_dir, n, seed):
 
 
 def test_packed_forward_equals_padded(tiny_model_dir, tmp_path):
-    from slime.training.actor import MicroBatch
+    from slime.training.backend import MicroBatch
 
     batch = _varied_batch(tiny_model_dir, 6, seed=3)
     mb = MicroBatch(batch.tokens, batch.response_lengths)
@@ -69,7 +69,8 @@ def test_packed_gradients_and_metrics_equal_padded(tiny_model_dir, tmp_path):
 
 
 def test_packed_critic_values_equal_padded(tiny_model_dir, tmp_path):
-    from slime.training.actor import MicroBatch, TrainActor
+    from slime.training.actor import TrainActor
+    from slime.training.backend import MicroBatch
 
     batch = _varied_batch(tiny_model_dir, 5, seed=5)
     mb = MicroBatch(batch.tokens, batch.response_lengths)

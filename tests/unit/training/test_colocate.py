@@ -79,7 +79,7 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = _args(tiny_model_dir, data_file, "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.01")
-    from slime.engines.launcher import free_port
+    from slime.utils.net import free_port
 
     actor = TrainActor(args, 0, 1, master_port=free_port("127.0.0.1"))
     actor.init()
@@ -87,7 +87,7 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
         be = actor.backend
         # one optimizer step so there is optimizer state to offload
         be.model.zero_grad()
-        from slime.training.actor import MicroBatch
+        from slime.training.backend import MicroBatch
 
         mb = MicroBatch([[1, 5, 6, 7, 8]], [3])
         be.train_step([mb], lambda k, lp, ent: -lp.sum())
@@ -121,13 +121,22 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
 
 @pytest.mark.parametrize("shape,expected", [
     ((False, "native"), "distributed"), ((True, "native"), "disk"), ((False, "sglang"), "distributed"),
-    ((True, "sglang"), "tensor"), ((False, "vllm"), "distributed"),
+    ((True, "sglang"), "distributed"), ((False, "vllm"), "distributed"), ((True, "vllm"), "tensor"),
 ])
 def test_auto_mode_per_run_shape(shape, expected):
-    from slime.training.weight_push import resolve_mode
+    """What `auto` means per run shape, resolved once at parse time by the engine kind (the trainer's
+    transport is then chosen from the resolved mode). SGLang takes weights by broadcast only."""
+    from slime.engines.kinds import KINDS
+    from slime.utils.errors import SlimeConfigError
 
-    assert resolve_mode("auto", *shape) == expected
-    assert resolve_mode("tensor", *shape) == "tensor"
+    colocate, backend = shape
+    kind = KINDS[backend]
+    assert kind.resolve_update_weights_mode("auto", colocate) == expected
+    if backend == "sglang":
+        with pytest.raises(SlimeConfigError, match="--rollout-backend sglang takes weights by broadcast"):
+            kind.resolve_update_weights_mode("tensor", colocate)
+    else:
+        assert kind.resolve_update_weights_mode("tensor", colocate) == "tensor"
 
 
 def test_flags_resolve_and_refuse(tiny_model_dir, data_file):
@@ -145,8 +154,8 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     """Each mode puts new weights into a running native engine, bucket by bucket, checked by the
     engine's checksums; the distributed group is made once and reused, and made again when the
     engine no longer has it (a restart)."""
-    from slime.engines.client import get_json
-    from slime.training.weight_push import WeightPusher
+    from slime.engines.control import EngineControl
+    from slime.training.weight_sync import make_transport
     from slime.utils.weights import tensor_digest
     from tests.helpers.native_server import native_server
     from transformers import AutoModelForCausalLM
@@ -154,26 +163,28 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     args = _args(tiny_model_dir, data_file, "--update-weights-mode", mode, "--update-weight-buffer-size", "256KiB")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    pusher = WeightPusher(args, rank=0)
+    transport = make_transport(args, rank=0)
+    assert type(transport).__name__ == {"tensor": "TensorTransport", "distributed": "DistributedTransport",
+                                        "disk": "DiskTransport"}[mode]
     with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _proc):
+        engine = EngineControl(url)
         try:
             for version in (1, 2, 3):
                 if mode == "distributed" and version == 3:  # as if the engine had been restarted
-                    from slime.engines.client import post_json
-
-                    post_json(url, "/destroy_weights_update_group", {"group_name": pusher._group.group_name})
+                    engine.destroy_weights_update_group(transport.group.group_name)
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.01 * version)
-                stats = pusher.push(list(model.named_parameters()), [url], version)
+                transport.connect([url])
+                stats = transport.push(list(model.named_parameters()), version)
                 assert stats["bytes"] == total
                 assert stats["buckets"] >= total // (256 << 10) >= 4  # several bounded buckets
-                served = get_json(url, "/weights_checksum")["checksums"]
+                served = engine.weights_checksum()
                 assert served == {n: tensor_digest(p) for n, p in model.named_parameters()}
-                assert get_json(url, "/get_weight_version")["weight_version"] == str(version)
+                assert engine.weight_version() == str(version)
                 if mode == "distributed":  # made once and reused; rebuilt when the engine lost it
-                    group = pusher._group
+                    group = transport.group
                     assert group is not None and (version == 1 or (group is first_group) == (version == 2))
                     first_group = group if version == 1 else first_group
         finally:
-            pusher.close()
+            transport.close()

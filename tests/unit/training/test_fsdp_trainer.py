@@ -311,14 +311,16 @@ def test_weight_sync_buckets_send_every_parameter_once(tiny_model_dir, stub_engi
     from safetensors.torch import load
     from transformers import AutoModelForCausalLM
 
-    from slime.training.weight_sync import sync_weights
+    from slime.training.weight_sync import TensorTransport
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = dict(model.named_parameters())  # deduplicated: the tied head is not listed
     assert "lm_head.weight" not in params
     sizes = {k: v.numel() * v.element_size() for k, v in params.items()}
     size = max(sizes.values()) if buffer == "largest" else 1000
-    info = sync_weights(((k, v.detach()) for k, v in params.items()), [e.url for e in stub_engines], 7, size)
+    transport = TensorTransport(size, rank=0)
+    transport.connect([e.url for e in stub_engines])
+    info = transport.push(((k, v.detach()) for k, v in params.items()), 7)
 
     assert info["bytes"] == sum(sizes.values())
     for engine in stub_engines:
@@ -343,12 +345,14 @@ def test_weight_sync_buckets_send_every_parameter_once(tiny_model_dir, stub_engi
 
 
 def test_weight_sync_engine_failure_is_an_error(tiny_model_dir):
-    from slime.engines.client import EngineError
-    from slime.training.weight_sync import sync_weights
+    from slime.engines.control import EngineError
+    from slime.training.weight_sync import TensorTransport
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    transport = TensorTransport(1 << 20, rank=0, timeout=5)
+    transport.connect([url])
     with pytest.raises(EngineError):
-        sync_weights([("w", torch.zeros(3))], [url], 1, 1 << 20, timeout=5)
+        transport.push([("w", torch.zeros(3))], 1)
 
 
 # ---------------------------------------------------------------- (6) estimators and aggregation

@@ -94,7 +94,7 @@ def test_megatron_flags_need_the_megatron_backend(tiny_model_dir, tmp_path):
 
 
 def test_logprobs_match_hf_and_weights_round_trip(tiny_model_dir, tmp_path):
-    from slime.training.actor import MicroBatch
+    from slime.training.backend import MicroBatch
 
     args = make_args(tiny_model_dir, tmp_path, *BATCH, "--train-backend", "megatron", "--use-kl-loss",
                      "--kl-loss-coef", 0.1)
