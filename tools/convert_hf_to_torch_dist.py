@@ -28,7 +28,7 @@ from slime.utils.errors import SlimeError, run_main  # noqa: E402
 
 
 def convert(hf_checkpoint: str | Path, save: str | Path, make_vocab_size_divisible_by: int = 128) -> Path:
-    from slime.utils import megatron_convert as mc
+    from slime.training.megatron import convert as mc
 
     mc.require_megatron()
     from transformers import AutoConfig, AutoModelForCausalLM

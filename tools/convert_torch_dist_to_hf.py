@@ -28,7 +28,7 @@ _EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | Path,
             vocab_size: int | None = None) -> Path:
-    from slime.utils import megatron_convert as mc
+    from slime.training.megatron import convert as mc
 
     mc.require_megatron()
     from transformers import AutoConfig

@@ -54,7 +54,7 @@ from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
-from slime.utils.megatron_convert import require_megatron
+from slime.training.megatron.convert import require_megatron
 from slime.utils.threads import cpu_threads
 
 METRIC_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ppo_kl")
@@ -62,9 +62,8 @@ CRITIC_METRIC_KEYS = ("value_loss", "value_clipfrac", "values", "returns")
 
 
 def _megatron_backend(*args, **kwargs) -> TrainBackend:
-    # megatron-core is an optional heavy dependency: imported only when a run asks for it
-    require_megatron()
-    from slime.training.megatron.backend import MegatronBackend
+    require_megatron()  # a one-line error naming the install command when megatron-core is missing
+    from slime.training.megatron.backend import MegatronBackend  # optional heavy dependency: only when asked for
 
     return MegatronBackend(*args, **kwargs)
 

@@ -4,7 +4,7 @@ The layer spec is megatron's local (non-Transformer-Engine) one: ColumnParallelL
 RowParallelLinear / VocabParallelEmbedding from `megatron.core.tensor_parallel`, megatron's
 DotProductAttention and its RMSNorm. The HF -> TransformerConfig translation (RMSNorm eps,
 SwiGLU, grouped-query heads, head_dim, RoPE base, biases, qk-norm) is the one the conversion
-tools use (`slime.utils.megatron_convert.transformer_config`), so the trainer and the
+tools use (`slime.training.megatron.convert.transformer_config`), so the trainer and the
 torch_dist checkpoints describe the same model.
 
 Needs `megatron.core.parallel_state` to be initialized (see backend.py). Imports megatron-core at
@@ -21,7 +21,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-from slime.utils import megatron_convert as mc
+from slime.training.megatron import convert as mc
 from slime.utils.errors import SlimeConfigError
 
 

@@ -55,7 +55,7 @@ def use_cpu_rng_tracker() -> None:
     """Shim 2: megatron's inference RNG tracker (fork = null context) when there is no CUDA."""
     if torch.cuda.is_available():
         return
-    # megatron-core is optional: slime.utils.megatron_convert imports this module without it
+    # megatron-core is optional: slime.training.megatron.convert imports this module without it
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

@@ -1,6 +1,6 @@
 """HF <-> megatron-core weights under tensor parallelism.
 
-`slime.utils.megatron_convert.hf_to_mcore` / `mcore_to_hf` map full (unsharded) tensors
+`slime.training.megatron.convert.hf_to_mcore` / `mcore_to_hf` map full (unsharded) tensors
 between HF names and the GPTModel's local-spec names (fused QKV per query group, fc1 =
 [gate; up], padded vocabulary). This module splits those full tensors into one TP rank's
 shards and joins the shards back, following each parameter's own megatron attributes
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from slime.utils import megatron_convert as mc
+from slime.training.megatron import convert as mc
 from slime.utils.errors import SlimeError
 
 

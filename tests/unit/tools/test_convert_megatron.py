@@ -96,7 +96,7 @@ FORWARD = textwrap.dedent("""
     import contextlib, importlib.util, json, sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from slime.utils import megatron_convert as mc
+    from slime.training.megatron import convert as mc
     from slime.training.megatron.shims import use_cpu_rng_tracker
 
     hf_dir, save, back = sys.argv[1:4]
