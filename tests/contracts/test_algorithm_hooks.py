@@ -80,7 +80,7 @@ def test_load_function_errors_name_the_flag(hook_module, path, message):
 
 
 def test_bad_hook_path_fails_at_parse_time(tiny_model_dir, tmp_path):
-    from test_fsdp_trainer import make_args
+    from tests.helpers.training import make_args
 
     with pytest.raises(SlimeConfigError, match="--dynamic-sampling-filter-path nope.fn"):
         make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--dynamic-sampling-filter-path", "nope.fn")
@@ -90,18 +90,18 @@ def test_bad_hook_path_fails_at_parse_time(tiny_model_dir, tmp_path):
 
 
 def test_custom_loss_and_custom_advantage_are_used_by_the_trainer(tiny_model_dir, tmp_path, hook_module):
-    from test_fsdp_trainer import _grads_after_train, make_args, synthetic_batch
+    from tests.helpers.training import grads_after_train, make_args, synthetic_batch
 
     batch = synthetic_batch(tiny_model_dir, 6, seed=4)
     common = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--micro-batch-size", 4, "--clip-grad", 0]
-    base, _ = _grads_after_train(make_args(tiny_model_dir, tmp_path, *common), batch)
+    base, _ = grads_after_train(make_args(tiny_model_dir, tmp_path, *common), batch)
     calls = sys.modules.setdefault(hook_module, __import__(hook_module)).CALLS
     calls.clear()
     loss_args = make_args(tiny_model_dir, tmp_path, *common, "--custom-loss-function-path", f"{hook_module}.double_ppo")
-    doubled_loss, _ = _grads_after_train(loss_args, batch)
+    doubled_loss, _ = grads_after_train(loss_args, batch)
     adv_args = make_args(tiny_model_dir, tmp_path, *common,
                          "--custom-advantage-function-path", f"{hook_module}.doubled_rewards")
-    doubled_adv, _ = _grads_after_train(adv_args, batch)
+    doubled_adv, _ = grads_after_train(adv_args, batch)
     for k in base:
         torch.testing.assert_close(doubled_loss[k], 2 * base[k], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(doubled_adv[k], 2 * base[k], atol=1e-6, rtol=1e-5)
@@ -217,7 +217,7 @@ def test_reward_post_process_hook_and_overlong_penalty(tiny_model_dir, tmp_path,
 
 
 def test_algorithm_flags_derived_values_and_errors(tiny_model_dir, tmp_path):
-    from test_fsdp_trainer import make_args
+    from tests.helpers.training import make_args
 
     base = ["--rollout-batch-size", 2, "--n-samples-per-prompt", 2]
     args = make_args(tiny_model_dir, tmp_path, *base, "--advantage-estimator", "ppo", "--lr", 2e-5)
@@ -284,7 +284,7 @@ def test_dict_rewards_need_reward_key_and_log_every_entry(tiny_model_dir, tmp_pa
 
 
 def test_loss_type_tis_and_kl_flags(tiny_model_dir, tmp_path, hook_module):
-    from test_fsdp_trainer import make_args
+    from tests.helpers.training import make_args
 
     base = ["--rollout-batch-size", 2, "--n-samples-per-prompt", 2]
     assert make_args(tiny_model_dir, tmp_path, *base).loss_type == "policy_loss"

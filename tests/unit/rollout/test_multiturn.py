@@ -195,8 +195,9 @@ def test_tool_tokens_get_zero_gradient(tiny_model_dir, tmp_path):
     only the mask-1 tokens' log-probs, and marking the tool tokens 1 changes it."""
     import dataclasses
 
-    from test_fsdp_trainer import TEMPERATURE, _grads_after_train, assert_states_close, make_args, synthetic_batch
     from transformers import AutoModelForCausalLM
+
+    from tests.helpers.training import TEMPERATURE, assert_states_close, grads_after_train, make_args, synthetic_batch
 
     batch = synthetic_batch(tiny_model_dir, 4, seed=7)
     # longer responses with multi-turn masks: model tokens, a tool result, model tokens
@@ -215,7 +216,7 @@ def test_tool_tokens_get_zero_gradient(tiny_model_dir, tmp_path):
                                 rollout_log_probs=lps)
     args = make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 2, "--n-samples-per-prompt", 2,
                      "--micro-batch-size", 4, "--clip-grad", 0)
-    grads, metrics = _grads_after_train(args, batch)
+    grads, metrics = grads_after_train(args, batch)
 
     def reference(masks):
         model.zero_grad()
@@ -237,5 +238,5 @@ def test_tool_tokens_get_zero_gradient(tiny_model_dir, tmp_path):
     everything = reference([[1] * len(m) for m in masks])
     assert max((everything[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
     all_ones = dataclasses.replace(batch, loss_masks=[[1] * len(m) for m in masks])
-    grads_all, _ = _grads_after_train(args, all_ones)
+    grads_all, _ = grads_after_train(args, all_ones)
     assert_states_close({k: grads_all[k] for k in everything}, everything, atol=1e-6, rtol=1e-4)

@@ -7,9 +7,8 @@ import torch
 
 from slime.types import RolloutBatch, balanced_rank_assignment
 from slime.utils.errors import SlimeConfigError
-from test_fsdp_trainer import (  # noqa: F401 - ray_session is a fixture
-    COMMON, _grads_after_train, assert_states_close, free_port, local_actor, make_args, ray_session,
-    synthetic_batch,
+from tests.helpers.training import (
+    COMMON, assert_states_close, grads_after_train, local_actor, make_args, synthetic_batch,
 )
 
 BASE = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--clip-grad", 0, "--entropy-coef", 0.01]
@@ -60,7 +59,7 @@ def test_packed_gradients_and_metrics_equal_padded(tiny_model_dir, tmp_path):
     runs = {}
     for flag in ((), ("--disable-sequence-packing",)):
         args = make_args(tiny_model_dir, tmp_path, *BASE, "--micro-batch-size", 3, *flag)
-        runs[bool(flag)] = _grads_after_train(args, batch)
+        runs[bool(flag)] = grads_after_train(args, batch)
     (g_pk, m_pk), (g_pd, m_pd) = runs[False], runs[True]
     assert max(g.abs().max().item() for g in g_pk.values()) > 1e-4
     assert_states_close(g_pk, g_pd, atol=1e-6, rtol=1e-5)
@@ -76,9 +75,8 @@ def test_packed_critic_values_equal_padded(tiny_model_dir, tmp_path):
     mb = MicroBatch(batch.tokens, batch.response_lengths)
     vals = {}
     for flag in ((), ("--disable-sequence-packing",)):
-        actor = TrainActor(make_args(tiny_model_dir, tmp_path, *BASE, *flag), rank=0, world_size=1,
-                           role="critic", master_port=free_port())
-        actor.init()  # seeds before building, so both value heads start equal
+        # init seeds before building, so both value heads start equal
+        actor = local_actor(make_args(tiny_model_dir, tmp_path, *BASE, *flag), role="critic")
         try:
             assert actor.backend.pack is (not flag)
             vals[bool(flag)] = actor.backend.forward_values(mb)
@@ -135,11 +133,11 @@ def test_dynamic_batch_size_gradients_equal_fixed_micro_batches(tiny_model_dir, 
 
     FSDPBackend.train_step = recording
     try:
-        dyn = _grads_after_train(make_args(tiny_model_dir, tmp_path, *BASE, "--use-dynamic-batch-size",
+        dyn = grads_after_train(make_args(tiny_model_dir, tmp_path, *BASE, "--use-dynamic-batch-size",
                                            "--max-tokens-per-gpu", budget), batch)
     finally:
         FSDPBackend.train_step = orig
-    fixed = _grads_after_train(make_args(tiny_model_dir, tmp_path, *BASE, "--micro-batch-size", 1), batch)
+    fixed = grads_after_train(make_args(tiny_model_dir, tmp_path, *BASE, "--micro-batch-size", 1), batch)
     assert sorted(x for mb in seen for x in mb) == sorted(lengths)  # every sample once
     assert 1 < len(seen) < len(lengths)
     assert all(sum(mb) <= budget or len(mb) == 1 for mb in seen), seen

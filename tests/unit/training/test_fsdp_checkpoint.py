@@ -3,9 +3,7 @@ checkpoints resume across one and two ranks, sharded ranks offload and onload bi
 
 import torch
 
-from test_fsdp_trainer import (  # noqa: E402
-    COMMON, assert_states_close, flatten_optim, local_actor, make_args, synthetic_batch, ray_session,  # noqa: F401 (a fixture)
-)
+from tests.helpers.training import COMMON, assert_states_close, flatten_optim, local_actor, make_args, synthetic_batch
 
 
 def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path, ray_session):

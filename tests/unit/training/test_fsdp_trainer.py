@@ -1,117 +1,14 @@
 """FSDP2 trainer on CPU (gloo): DP equivalence, first-pass ratio, token-mean
 aggregation, weight-sync bucketing (save/load and offload: test_fsdp_checkpoint.py)."""
 
-import json
-import os
-import socket
-import threading
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 
-from slime.arguments import parse_args
-from slime.types import RolloutBatch
-
-TEMPERATURE = 0.8
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def make_args(model_dir, tmp_path, *extra):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"input": "1 + 1"}\n')
-    return parse_args([
-        "--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-rollout", "1",
-        "--rollout-temperature", str(TEMPERATURE), "--output-dir", str(tmp_path / "out"),
-        *map(str, extra),
-    ])
-
-
-def synthetic_batch(model_dir, n, seed=0):
-    """n samples with random prompts/responses, partial loss masks, group rewards and
-    rollout log-probs computed by a plain HF forward (the engine's definition)."""
-    from transformers import AutoModelForCausalLM
-
-    g = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokens, lengths, masks, lps = [], [], [], []
-    for i in range(n):
-        p = int(torch.randint(2, 8, (1,), generator=g))
-        r = int(torch.randint(1, 7, (1,), generator=g))
-        toks = torch.randint(4, model.config.vocab_size, (p + r,), generator=g)
-        with torch.no_grad():
-            logits = model(toks[None]).logits[0].float() / TEMPERATURE
-        lp = torch.log_softmax(logits, -1)[p - 1 : p - 1 + r].gather(-1, toks[p:, None]).squeeze(-1)
-        mask = [1] * r
-        if r > 2:
-            mask[1] = 0  # a tool token
-        tokens.append(toks.tolist())
-        lengths.append(r)
-        masks.append(mask)
-        lps.append(lp.tolist())
-    rewards = torch.randn(n, generator=g).tolist()
-    return RolloutBatch(tokens=tokens, response_lengths=lengths, loss_masks=masks, rewards=rewards,
-                        raw_rewards=list(rewards), rollout_log_probs=lps, group_indices=[i // 2 for i in range(n)])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def local_actor(args):
-    from slime.training.actor import TrainActor
-
-    actor = TrainActor(args, rank=0, world_size=1, master_port=free_port())
-    actor.init()
-    return actor
-
-
-class StubEngine:
-    """A tiny HTTP server that records /update_weights_from_tensor calls."""
-
-    def __init__(self):
-        self.calls = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                url = urllib.parse.urlparse(self.path)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                q = dict(urllib.parse.parse_qsl(url.query))
-                outer.calls.append((url.path, q, self.headers.get("Content-Type"), body))
-                out = json.dumps({"success": True, "weight_version": q.get("weight_version")}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def received(self):
-        """name -> tensor over all calls, asserting each name arrives once."""
-        from safetensors.torch import load
-
-        out = {}
-        for _, _, _, body in self.calls:
-            for k, v in load(body).items():
-                assert k not in out, f"{k} sent twice"
-                out[k] = v
-        return out
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from slime.utils.net import free_port
+from tests.helpers.training import (
+    COMMON, TEMPERATURE, StubEngine, assert_states_close, grads_after_train, initial_state, local_actor, make_args,
+    synthetic_batch,
+)
 
 
 @pytest.fixture
@@ -120,41 +17,6 @@ def stub_engines():
     yield engines
     for e in engines:
         e.close()
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def initial_state(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-
-
-def assert_states_close(a, b, atol, rtol=0.0):
-    assert set(a) == set(b)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
-
-
-def flatten_optim(osd):
-    out = {}
-    for name, st in osd["state"].items():
-        for k, v in st.items():
-            out[f"{name}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-    return out
-
-
-COMMON = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2, "--global-batch-size", 4,  # 2 steps
-          "--lr", 1e-3, "--use-kl-loss", "--kl-loss-coef", 0.1, "--kl-loss-type", "k3",
-          "--entropy-coef", 0.01, "--eps-clip", 0.2, "--eps-clip-high", 0.28, "--adam-eps", 1e-6]
 
 
 # ---------------------------------------------------------------- (1) DP equivalence through TrainGroup
@@ -235,28 +97,6 @@ def test_single_step_first_pass_has_ratio_one(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- (3) token-mean aggregation
 
 
-def _grads_after_train(args, batch):
-    actor = local_actor(args)
-    captured = {}
-    opt = actor.backend.optimizer
-    orig_step = opt.step
-
-    def step(*a, **k):
-        from torch.distributed.tensor import DTensor
-
-        for name, p in actor.backend.model.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            captured[name] = g.detach().clone()
-        return orig_step(*a, **k)
-
-    opt.step = step
-    try:
-        metrics = actor.train(0, batch)
-    finally:
-        actor.shutdown()
-    return captured, metrics
-
-
 def test_token_mean_is_independent_of_micro_batch_size(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -265,7 +105,7 @@ def test_token_mean_is_independent_of_micro_batch_size(tiny_model_dir, tmp_path)
     for mbs in (1, 4, 6):
         args = make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 3, "--n-samples-per-prompt", 2,
                          "--micro-batch-size", mbs, "--clip-grad", 0)
-        runs[mbs] = _grads_after_train(args, batch)
+        runs[mbs] = grads_after_train(args, batch)
     g1, m1 = runs[1]
     for mbs in (4, 6):
         g, m = runs[mbs]
@@ -368,7 +208,7 @@ def test_gspo_and_cispo_on_policy_equal_grpo_and_are_split_invariant(tiny_model_
                           ("gspo", 1, "seq-mean-token-mean"), ("gspo", 6, "seq-mean-token-mean")):
         args = make_args(tiny_model_dir, tmp_path, *common, "--advantage-estimator", est, "--micro-batch-size", mbs,
                          "--loss-agg-mode", agg)
-        runs[est, mbs, agg] = _grads_after_train(args, batch)
+        runs[est, mbs, agg] = grads_after_train(args, batch)
     ref, ref_m = runs["grpo", 6, "token-mean"]
     for key in (("gspo", 1, "token-mean"), ("cispo", 4, "token-mean")):
         g, m = runs[key]
@@ -423,15 +263,12 @@ def test_new_estimators_two_ranks_match_one_rank(tiny_model_dir, tmp_path, ray_s
 
 
 def test_critic_values_returns_and_value_loss(tiny_model_dir, tmp_path):
-    from slime.training.actor import TrainActor
-
     args = make_args(tiny_model_dir, tmp_path, "--rollout-batch-size", 3, "--n-samples-per-prompt", 2,
                      "--micro-batch-size", 2, "--advantage-estimator", "ppo", "--lr", 1e-3, "--critic-lr", 1e-3,
                      "--gamma", 0.9, "--lambd", 0.8)
     assert args.use_critic
     batch = synthetic_batch(tiny_model_dir, 6, seed=7)
-    critic = TrainActor(args, rank=0, world_size=1, role="critic", master_port=free_port())
-    critic.init()
+    critic = local_actor(args, role="critic")
     actor = local_actor(args)
     try:
         values = critic.compute_values(0, batch)

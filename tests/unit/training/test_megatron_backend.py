@@ -3,7 +3,6 @@ and the FSDP backend. Skipped without megatron-core."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,22 +10,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from test_fsdp_trainer import (  # noqa: E402
-    COMMON, TEMPERATURE, assert_states_close, free_port, make_args, synthetic_batch,
+from slime.utils.errors import SlimeConfigError  # noqa: E402
+from tests.helpers.training import (  # noqa: E402
+    COMMON, TEMPERATURE, assert_states_close, local_actor, make_args, synthetic_batch,
 )
 
-from slime.utils.errors import SlimeConfigError  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
-
-
-def actor_for(args):
-    from slime.training.actor import TrainActor
-
-    actor = TrainActor(args, rank=0, world_size=1, master_port=free_port())
-    actor.init()
-    return actor
 
 
 def hf_model(model_dir):
@@ -99,7 +88,7 @@ def test_logprobs_match_hf_and_weights_round_trip(tiny_model_dir, tmp_path):
     args = make_args(tiny_model_dir, tmp_path, *BATCH, "--train-backend", "megatron", "--use-kl-loss",
                      "--kl-loss-coef", 0.1)
     batch = synthetic_batch(tiny_model_dir, 6, seed=11)
-    actor = actor_for(args)
+    actor = local_actor(args)
     try:
         be = actor.backend
         expected = torch.tensor([x for lp in batch.rollout_log_probs for x in lp])  # plain HF forward
@@ -142,7 +131,7 @@ def test_logprobs_match_hf_and_weights_round_trip(tiny_model_dir, tmp_path):
 def _train_capturing(args, batch, rollouts=1):
     """Train `rollouts` times on `batch`; returns (grads per optimizer step with HF names, metrics,
     final HF state)."""
-    actor = actor_for(args)
+    actor = local_actor(args)
     be = actor.backend
     steps = []
     orig = be.optimizer.step
@@ -203,8 +192,8 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
     args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 2, "--train-backend", "megatron")
     batch = synthetic_batch(tiny_model_dir, 8, seed=13)
     ckpt = tmp_path / "ckpt"
-    a = actor_for(args)
-    b = actor_for(args)  # the same process: shares a's process group and megatron parallel state
+    a = local_actor(args)
+    b = local_actor(args)  # the same process: shares a's process group and megatron parallel state
     try:
         a.train(0, batch)
         a.save(str(ckpt))
@@ -239,15 +228,6 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- tensor parallelism (2 CPU ranks, gloo)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
@@ -291,36 +271,3 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
             assert m[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), (name, k)
         assert set(s) == set(s1)
         assert_states_close(s, s1, atol=1e-5)
-
-
-# ---------------------------------------------------------------- e2e: train.py --train-backend megatron
-
-
-@pytest.mark.e2e
-def test_train_py_grpo_with_megatron(tmp_path):
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tests.helpers.e2e import records, run
-    from test_e2e import shape_cmd
-    from tiny_task import make_tiny_task
-
-    from slime.utils.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "model", seed=0)
-    train, evaluation = make_tiny_task(tmp_path / "data", seed=0)
-    task = {"model": str(model), "train": str(train), "eval": str(evaluation), "work": tmp_path}
-    out = tmp_path / "out"
-    # an entropy bonus gives every step a gradient, also one whose groups all earn the same reward
-    cmd = shape_cmd(task, out, "--train-backend", "megatron", "--seed", "3", "--entropy-coef", "0.01")
-    cmd[cmd.index("--num-rollout") + 1] = "2"
-    proc = run(cmd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rs = [r for r in records(out) if "train/loss" in r]
-    assert [r["rollout_id"] for r in rs] == [0, 1]
-    for r in rs:
-        # the engine's log-probs (native engine, HF weights pushed by the megatron trainer) vs the trainer's
-        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4, r  # observed ~2e-7
-        assert r["train/grad_norm"] > 0
-    # rollout 1 was generated with the weights the trainer pushed after its update: the policy has
-    # moved from the reference (KL > 0) and the engine still scores like the trainer
-    assert rs[1]["train/kl_loss"] > 0
-    assert rs[1]["train/lr"] == pytest.approx(1e-3)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from test_fsdp_trainer import _grads_after_train, assert_states_close, local_actor, make_args, synthetic_batch
+from tests.helpers.training import assert_states_close, grads_after_train, local_actor, make_args, synthetic_batch
 
 COMMON = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--micro-batch-size", 4, "--clip-grad", 0]
 
@@ -29,7 +29,7 @@ def batch(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def base(tiny_model_dir, batch, tmp_path_factory):
-    return _grads_after_train(make_args(tiny_model_dir, tmp_path_factory.mktemp("base"), *COMMON), batch)
+    return grads_after_train(make_args(tiny_model_dir, tmp_path_factory.mktemp("base"), *COMMON), batch)
 
 
 # ---------------------------------------------------------------- truncated importance sampling
@@ -43,7 +43,7 @@ def base(tiny_model_dir, batch, tmp_path_factory):
 def test_tis_scales_the_policy_gradient_by_the_truncated_weight(tiny_model_dir, tmp_path, batch, base, extra, weight):
     # the engine's log-probs are log(1.5) below the trainer's: every token's ratio is 1.5
     args = make_args(tiny_model_dir, tmp_path, *COMMON, "--use-tis", *extra)
-    grads, m = _grads_after_train(args, shifted(batch, -math.log(1.5)))
+    grads, m = grads_after_train(args, shifted(batch, -math.log(1.5)))
     assert_states_close(grads, scaled(base[0], weight), atol=1e-6, rtol=1e-4)
     assert m["train/tis"] == pytest.approx(1.5, rel=1e-4)
     assert m["train/tis_weight"] == pytest.approx(weight, rel=1e-4)
@@ -84,7 +84,7 @@ def test_custom_tis_function_contract(tiny_model_dir, tmp_path, monkeypatch, bat
     try:
         args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 6, "--use-tis",
                          "--custom-tis-function-path", f"{name}.half_tis")
-        grads, m = _grads_after_train(args, batch)
+        grads, m = grads_after_train(args, batch)
         calls = sys.modules[name].CALLS
         n = sum(batch.response_lengths)
         assert calls == [((n,), (n,), (n,), sum(map(sum, batch.loss_masks)), list(batch.response_lengths), 2.0)]
@@ -92,7 +92,7 @@ def test_custom_tis_function_contract(tiny_model_dir, tmp_path, monkeypatch, bat
         # the same as the base loss at half the advantage with sample 0's advantage zeroed
         # (rejected tokens keep their place in the token-mean denominator)
         rewards = [0.0] + [0.5 * r for r in batch.rewards[1:]]
-        expected, _ = _grads_after_train(make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 6),
+        expected, _ = grads_after_train(make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 6),
                                          replace(batch, rewards=rewards))
         assert_states_close(grads, expected, atol=1e-6, rtol=1e-4)
     finally:
@@ -112,14 +112,14 @@ def test_use_rollout_logprobs_is_the_old_policy_without_an_extra_pass(tiny_model
         # two steps per rollout would normally need a no-grad old-log-prob pass
         two = make_args(tiny_model_dir, tmp_path, *COMMON, "--global-batch-size", 3, "--use-rollout-logprobs")
         assert two.num_steps_per_rollout == 2
-        _, m = _grads_after_train(two, shifted(batch, -0.1))
+        _, m = grads_after_train(two, shifted(batch, -0.1))
         assert passes == []
         assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(0.1, rel=1e-4)
     finally:
         TrainActor._no_grad_log_probs = orig
     # one step: ratio = exp(lp - rollout) = e^0.1 on every token (inside the clip range): e^0.1 x the gradient
     one = make_args(tiny_model_dir, tmp_path, *COMMON, "--use-rollout-logprobs")
-    grads, m = _grads_after_train(one, shifted(batch, -0.1))
+    grads, m = grads_after_train(one, shifted(batch, -0.1))
     assert_states_close(grads, scaled(base[0], math.exp(0.1)), atol=1e-6, rtol=1e-4)
     assert m["train/ppo_kl"] == pytest.approx(-0.1, rel=1e-4)
 
@@ -168,7 +168,7 @@ def test_unbiased_kl_keeps_the_value_and_changes_the_gradient(tiny_model_dir, tm
 def sft_batch(model_dir, n=2):
     from transformers import AutoTokenizer
 
-    from slime.rollout import sft
+    from slime.data import sft
     from slime.types import RolloutBatch
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -183,7 +183,7 @@ def sft_batch(model_dir, n=2):
         ]
         tokens, mask = sft.tokenize_conversation(tok, messages)
         convs.append(sft.Conversation(messages=messages, tokens=tokens, loss_mask=mask))
-    samples = sft.to_samples(convs)
+    samples = [sft.conversation_sample(c) for c in convs]
     return RolloutBatch(tokens=[s.tokens for s in samples], response_lengths=[s.response_length for s in samples],
                         loss_masks=[s.loss_mask for s in samples], rewards=[0.0] * n, raw_rewards=[0.0] * n,
                         rollout_log_probs=[None] * n, group_indices=list(range(n)))
