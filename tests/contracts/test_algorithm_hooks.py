@@ -2,7 +2,6 @@
 function loaded by dotted path from a temporary module, called with the documented signature."""
 
 import sys
-import textwrap
 
 import pytest
 import torch

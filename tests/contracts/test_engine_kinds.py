@@ -103,6 +103,7 @@ def test_every_route_is_served(engine):
 def test_greedy_tokens_and_log_probs_match_hugging_face(engine, hf):
     kind, url, client = engine
     greedy, lps, meta = generate(client)
+    assert meta["weight_version"] == "0"  # a fresh engine serves its checkpoint as version 0
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):].tolist()
     assert greedy == ref

@@ -81,8 +81,8 @@ def test_trainer_group_meets_an_sglang_style_engine_end():
     _new_process_group_helper) exchange broadcasts, in order, over gloo."""
     import subprocess
 
-    from slime.utils.net import free_port
     from slime.engines.native.weight_group import new_group
+    from slime.utils.net import free_port
 
     port = free_port()
     engine = subprocess.Popen([sys.executable, "-c", _ENGINE_END, str(port)], stdout=subprocess.PIPE,

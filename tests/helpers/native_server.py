@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from slime.engines.client import wait_until_healthy
+from slime.engines.control import wait_until_healthy
 
 
 def free_port() -> int:

@@ -33,7 +33,6 @@ from slime.engines.protocol import (
     parse_destroy_weights_update_group,
     parse_generate_request,
     parse_init_weights_update_group,
-    parse_json_body,
     parse_memory_tags,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,

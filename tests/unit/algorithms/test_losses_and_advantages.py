@@ -8,12 +8,12 @@ import torch
 from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, group_normalize, grpo
 from slime.algorithms.losses import (
     POLICY_LOSSES,
+    LossInputs,
     compute_entropy,
     compute_log_probs,
     compute_log_probs_and_entropy,
     kl_penalty,
     masked_mean,
-    LossInputs,
     masked_sum,
     ppo_policy_loss,
     token_mean_over,
@@ -252,8 +252,9 @@ from slime.algorithms.losses import (  # noqa: E402
 
 
 def test_every_estimator_flag_has_an_implementation():
-    from slime.arguments import ADVANTAGE_ESTIMATORS as CHOICES, LOSS_AGG_MODES, POLICY_LOSS_OF_ESTIMATOR
     from slime.algorithms.losses import LOSS_AGG_MODES as IMPLEMENTED
+    from slime.arguments import ADVANTAGE_ESTIMATORS as CHOICES
+    from slime.arguments import LOSS_AGG_MODES, POLICY_LOSS_OF_ESTIMATOR
 
     assert set(CHOICES) == set(ADVANTAGE_ESTIMATORS) == set(REWARD_NORMALIZATION)
     assert set(POLICY_LOSS_OF_ESTIMATOR.values()) <= set(POLICY_LOSSES)

@@ -4,8 +4,8 @@ import pickle
 import pytest
 
 from slime.arguments import parse_args
-from slime.utils.threads import cpu_threads
 from slime.utils.errors import SlimeConfigError
+from slime.utils.threads import cpu_threads
 
 
 @pytest.fixture

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import warnings
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 from aiohttp import web

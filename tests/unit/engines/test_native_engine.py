@@ -15,9 +15,10 @@ import urllib.request
 import pytest
 import torch
 
-from slime.engines.client import EngineClient, EngineError, get_json, post_bytes, post_json
+from slime.engines.control import AsyncEngineControl, EngineError
 from slime.engines.native.engine import NativeEngine
 from slime.engines.protocol import ProtocolError
+from tests.helpers.http import get_json, post_bytes, post_json
 from tests.helpers.native_server import native_server
 
 PROMPTS = ["What is 12 - 3? Answer:", "1 + 1 = 2.", "please reply with only the final result", "7"]
@@ -355,17 +356,17 @@ def test_concurrent_requests_are_batched_and_health_stays_responsive(server):
     url, _ = server
 
     async def main():
-        client = EngineClient(url, timeout=120)
+        client = AsyncEngineControl(url, timeout=120)
         try:
             payloads = [{"input_ids": [5 + i, 6, 7], "sampling_params": {"temperature": 1.0, "max_new_tokens": 48,
                                                                           "ignore_eos": True}} for i in range(16)]
             tasks = [asyncio.create_task(client.generate(p)) for p in payloads]
             await asyncio.sleep(0.05)
             t0 = time.perf_counter()
-            await client.get("/health")
+            await client.health()
             health_latency = time.perf_counter() - t0
             outs = await asyncio.gather(*tasks)
-            info = await client.get("/get_server_info")
+            info = await client.server_info()
             return outs, info, health_latency
         finally:
             await client.close()
@@ -380,32 +381,32 @@ def test_abort_returns_partial_output(server):
     url, _ = server
 
     async def main():
-        client = EngineClient(url, timeout=120)
+        client = AsyncEngineControl(url, timeout=120)
         try:
             task = asyncio.create_task(client.generate({"input_ids": [5, 6], "rid": "to-abort", "sampling_params": {
                 "max_new_tokens": 400, "ignore_eos": True}}))
             for _ in range(500):
-                if (await client.get("/get_server_info"))["num_running_requests"] >= 1:
+                if (await client.server_info())["num_running_requests"] >= 1:
                     break
                 await asyncio.sleep(0.01)
-            await client.post("/pause_generation")
+            await client.pause()
             # while paused, a new request waits in the queue
             waiting = asyncio.create_task(client.generate({"input_ids": [7], "rid": "w", "sampling_params": {
                 "max_new_tokens": 4}}))
             for _ in range(500):
-                if (await client.get("/get_server_info"))["num_waiting_requests"] >= 1:
+                if (await client.server_info())["num_waiting_requests"] >= 1:
                     break
                 await asyncio.sleep(0.01)
-            assert (await client.post("/abort_request", {"rid": "to-abort"}))["num_aborted"] == 1
+            assert (await client.abort("to-abort"))["num_aborted"] == 1
             out = await asyncio.wait_for(task, 30)
-            assert (await client.post("/abort_request", {"abort_all": True}))["num_aborted"] == 1
+            assert (await client.abort())["num_aborted"] == 1
             out_w = await asyncio.wait_for(waiting, 30)
-            await client.post("/continue_generation")
+            await client.continue_generation()
             after = await client.generate({"input_ids": [5], "sampling_params": {"max_new_tokens": 2,
                                                                                    "ignore_eos": True}})
             return out, out_w, after
         finally:
-            await client.post("/continue_generation")
+            await client.continue_generation()
             await client.close()
 
     out, out_w, after = asyncio.run(main())
@@ -484,21 +485,21 @@ def test_client_disconnect_frees_the_request(server):
     url, _ = server
 
     async def main():
-        async with EngineClient(url, timeout=30) as c:
-            await c.post("/pause_generation")
+        async with AsyncEngineControl(url, timeout=30) as c:
+            await c.pause()
             try:
-                impatient = EngineClient(url, timeout=0.5, max_retries=0)
+                impatient = AsyncEngineControl(url, timeout=0.5, max_retries=0)
                 with pytest.raises(EngineError, match="timed out"):
                     await impatient.generate({"input_ids": [5], "rid": "gone", "sampling_params": {"max_new_tokens": 8}})
                 await impatient.close()
                 for _ in range(200):
-                    info = await c.get("/get_server_info")
+                    info = await c.server_info()
                     if info["num_waiting_requests"] == 0:
                         break
                     await asyncio.sleep(0.02)
                 return info
             finally:
-                await c.post("/continue_generation")
+                await c.continue_generation()
 
     assert asyncio.run(main())["num_waiting_requests"] == 0
 

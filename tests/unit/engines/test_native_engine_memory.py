@@ -10,10 +10,11 @@ import psutil
 import pytest
 import torch
 
-from slime.engines.client import EngineError, get_json, post_json
+from slime.engines.control import EngineError
 from slime.engines.native.engine import NativeEngine, peak_kv_tokens
 from slime.engines.protocol import GenerateInput, ProtocolError, parse_sampling_params
 from slime.utils.weights import compare_digests
+from tests.helpers.http import get_json, post_json
 from tests.helpers.native_server import native_server
 
 
@@ -68,13 +69,13 @@ def test_kv_budget_over_http(tiny_model_dir, tmp_path):
     with native_server(tiny_model_dir, tmp_path / "log.txt", "--max-total-tokens", "300") as (url, proc):
         import asyncio
 
-        from slime.engines.client import EngineClient
+        from slime.engines.control import AsyncEngineControl
 
         async def burst():
-            async with EngineClient(url, timeout=120) as c:
+            async with AsyncEngineControl(url, timeout=120) as c:
                 outs = await asyncio.gather(*[c.generate({"input_ids": [5 + i % 5] * 8, "sampling_params": {
                     "max_new_tokens": 30, "ignore_eos": True}}) for i in range(24)])
-                return outs, await c.get("/get_server_info")
+                return outs, await c.server_info()
 
         outs, info = asyncio.run(burst())
         assert all(o["meta_info"]["completion_tokens"] == 30 for o in outs)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from slime.engines.client import get_json, post_json
+from tests.helpers.http import get_json, post_json
 from tests.helpers.native_server import native_server
 
 openai = pytest.importorskip("openai")
@@ -97,9 +97,9 @@ def test_chat_completions(client, server):
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
 ])
 def test_bad_openai_requests_are_400(server, path, payload, field):
+    import json
     import urllib.error
     import urllib.request
-    import json
 
     url, proc = server
     req = urllib.request.Request(url + path, data=json.dumps(payload).encode(), method="POST",

@@ -14,7 +14,6 @@ from aiohttp import web
 from slime.engines.control import EngineControl
 from slime.engines.fleet import EnginePool
 from slime.engines.router import RouterAdmin, RouterError, connect_router, start_router
-
 from tests.helpers.native_server import free_port, native_server
 
 pytest.importorskip("sglang_router")

@@ -11,7 +11,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from slime.engines.client import get_json, post_json
+from tests.helpers.http import get_json, post_json
 from tests.helpers.native_server import native_server
 
 openai = pytest.importorskip("openai")

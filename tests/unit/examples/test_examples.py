@@ -20,10 +20,9 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from tests.helpers.e2e import records, run  # noqa: E402
-
 from slime.types import Sample  # noqa: E402
 from tests.helpers.args import make_args  # noqa: E402
+from tests.helpers.e2e import records, run  # noqa: E402
 from tests.helpers.rollout import ScriptedFleet  # noqa: E402
 
 

@@ -94,7 +94,7 @@ def test_progress_is_polled_while_waiting(ray_session, capsys):
 @ray.remote(num_cpus=0)
 class Caller:
     def call_dead_engine(self):
-        from slime.engines.client import get_json
+        from tests.helpers.http import get_json
 
         return get_json("http://127.0.0.1:9", "/health", timeout=2)  # nothing listens on port 9
 

@@ -9,8 +9,8 @@ import pytest
 
 from slime.rollout.openai_agent import RecordedCall, RecorderError, TrajectoryRecorder, run_agent
 from slime.types import Sample, SampleStatus
-from tests.helpers.native_server import native_server
 from tests.helpers.args import make_args
+from tests.helpers.native_server import native_server
 
 openai = pytest.importorskip("openai")
 

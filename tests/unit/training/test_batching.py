@@ -8,7 +8,12 @@ import torch
 from slime.types import RolloutBatch, balanced_rank_assignment
 from slime.utils.errors import SlimeConfigError
 from tests.helpers.training import (
-    COMMON, assert_states_close, grads_after_train, local_actor, make_args, synthetic_batch,
+    COMMON,
+    assert_states_close,
+    grads_after_train,
+    local_actor,
+    make_args,
+    synthetic_batch,
 )
 
 BASE = ["--rollout-batch-size", 3, "--n-samples-per-prompt", 2, "--clip-grad", 0, "--entropy-coef", 0.01]
@@ -68,7 +73,6 @@ def test_packed_gradients_and_metrics_equal_padded(tiny_model_dir, tmp_path):
 
 
 def test_packed_critic_values_equal_padded(tiny_model_dir, tmp_path):
-    from slime.training.actor import TrainActor
     from slime.training.backend import MicroBatch
 
     batch = _varied_batch(tiny_model_dir, 5, seed=5)

@@ -121,17 +121,22 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
 
 @pytest.mark.parametrize("shape,expected", [
     ((False, "native"), "distributed"), ((True, "native"), "disk"), ((False, "sglang"), "distributed"),
-    ((True, "sglang"), "distributed"), ((False, "vllm"), "distributed"), ((True, "vllm"), "tensor"),
+    ((True, "sglang"), None), ((False, "vllm"), "distributed"), ((True, "vllm"), "tensor"),
 ])
 def test_auto_mode_per_run_shape(shape, expected):
     """What `auto` means per run shape, resolved once at parse time by the engine kind (the trainer's
-    transport is then chosen from the resolved mode). SGLang takes weights by broadcast only."""
+    transport is then chosen from the resolved mode). SGLang takes weights by broadcast only, so a
+    colocated SGLang run (None) is refused with the message that says why."""
     from slime.engines.kinds import KINDS
     from slime.utils.errors import SlimeConfigError
 
     colocate, backend = shape
     kind = KINDS[backend]
-    assert kind.resolve_update_weights_mode("auto", colocate) == expected
+    if expected is None:
+        with pytest.raises(SlimeConfigError, match="colocated SGLang .* is not implemented, so drop --colocate"):
+            kind.resolve_update_weights_mode("auto", colocate)
+    else:
+        assert kind.resolve_update_weights_mode("auto", colocate) == expected
     if backend == "sglang":
         with pytest.raises(SlimeConfigError, match="--rollout-backend sglang takes weights by broadcast"):
             kind.resolve_update_weights_mode("tensor", colocate)
@@ -154,11 +159,12 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     """Each mode puts new weights into a running native engine, bucket by bucket, checked by the
     engine's checksums; the distributed group is made once and reused, and made again when the
     engine no longer has it (a restart)."""
+    from transformers import AutoModelForCausalLM
+
     from slime.engines.control import EngineControl
     from slime.training.weight_sync import make_transport
     from slime.utils.weights import tensor_digest
     from tests.helpers.native_server import native_server
-    from transformers import AutoModelForCausalLM
 
     args = _args(tiny_model_dir, data_file, "--update-weights-mode", mode, "--update-weight-buffer-size", "256KiB")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -168,6 +174,7 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
                                         "disk": "DiskTransport"}[mode]
     with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _proc):
         engine = EngineControl(url)
+        first_group = None
         try:
             for version in (1, 2, 3):
                 if mode == "distributed" and version == 3:  # as if the engine had been restarted

@@ -6,7 +6,14 @@ import torch
 
 from slime.utils.net import free_port
 from tests.helpers.training import (
-    COMMON, TEMPERATURE, StubEngine, assert_states_close, grads_after_train, initial_state, local_actor, make_args,
+    COMMON,
+    TEMPERATURE,
+    StubEngine,
+    assert_states_close,
+    grads_after_train,
+    initial_state,
+    local_actor,
+    make_args,
     synthetic_batch,
 )
 

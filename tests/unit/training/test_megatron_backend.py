@@ -12,7 +12,12 @@ pytest.importorskip("megatron.core")
 
 from slime.utils.errors import SlimeConfigError  # noqa: E402
 from tests.helpers.training import (  # noqa: E402
-    COMMON, TEMPERATURE, assert_states_close, local_actor, make_args, synthetic_batch,
+    COMMON,
+    TEMPERATURE,
+    assert_states_close,
+    local_actor,
+    make_args,
+    synthetic_batch,
 )
 
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
@@ -29,7 +34,12 @@ def _gqa_model(tiny_model_dir, out, kind):
     non-trivial norms and biases (Qwen3: q/k norms; Qwen2: q/k/v biases, untied head); the tiny
     model's tokenizer files."""
     from transformers import (
-        AutoConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+        AutoConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
