@@ -1,0 +1,158 @@
+"""One conformance suite over both train backends (`--train-backend fsdp | megatron`, the
+registry `slime.training.actor.BACKENDS`): each implements the `TrainBackend` contract
+(slime/training/backend.py); on the same tiny batch each gives the Hugging Face model's log-probs and
+entropy (policy and reference), serves exactly the Hugging Face weights; and a training step of any
+other backend equals the FSDP backend's (the reference): gradients at every step, metrics and the
+updated weights. megatron-core is a test dependency (skipped where it is missing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slime.training.actor import BACKENDS
+from slime.training.backend import MicroBatch, TrainBackend
+from slime.training.fsdp.backend import FSDPBackend
+from tests.helpers.training import COMMON, TEMPERATURE, assert_states_close, local_actor, make_args, synthetic_batch
+
+BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
+HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
+needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="megatron-core is not installed")
+KINDS = ["fsdp", pytest.param("megatron", marks=needs_megatron)]
+
+
+def backend_class(name: str):
+    if name == "fsdp":
+        return FSDPBackend
+    from slime.training.megatron.backend import MegatronBackend  # optional dependency: only when installed
+
+    return MegatronBackend
+
+
+def hf_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_the_registry_names_every_backend():
+    assert set(BACKENDS) == {"fsdp", "megatron"}
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_backend_implements_the_contract(name):
+    cls = backend_class(name)
+    for method, spec in inspect.getmembers(TrainBackend, inspect.isfunction):
+        if method.startswith("_"):
+            continue
+        impl = getattr(cls, method, None)
+        assert callable(impl), f"{cls.__name__} has no {method}"
+        want = list(inspect.signature(spec).parameters)
+        have = list(inspect.signature(impl).parameters)
+        assert have == want, f"{cls.__name__}.{method}{have} is not the contract's {want}"
+    assert isinstance(inspect.getattr_static(cls, "lr"), property)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_log_probs_entropy_and_weights_match_hugging_face(name, tiny_model_dir, tmp_path):
+    args = make_args(tiny_model_dir, tmp_path, *BATCH, "--train-backend", name, "--use-kl-loss",
+                     "--kl-loss-coef", 0.1)
+    batch = synthetic_batch(tiny_model_dir, 6, seed=11)
+    actor = local_actor(args)
+    try:
+        be = actor.backend
+        expected = torch.tensor([x for lp in batch.rollout_log_probs for x in lp])  # plain HF forward
+        mb = MicroBatch(batch.tokens, batch.response_lengths)
+        lp, ent = be.forward_logprobs(mb, with_entropy=True)
+        ref_lp, _ = be.forward_logprobs(mb, ref=True)
+        assert lp.shape == expected.shape
+        assert (lp - expected).abs().max().item() < 1e-5
+        assert torch.equal(ref_lp, lp)  # the reference model starts from the same weights
+        # entropy of the HF logits at the same positions
+        hf = hf_model(tiny_model_dir)
+        ents = []
+        for toks, r in zip(batch.tokens, batch.response_lengths):
+            with torch.no_grad():
+                logits = hf(torch.tensor([toks])).logits[0] / TEMPERATURE
+            p = len(toks) - r
+            ents.append(torch.distributions.Categorical(logits=logits[p - 1 : p - 1 + r]).entropy())
+        assert (ent - torch.cat(ents)).abs().max().item() < 1e-5
+        # one sample at a time gives the same log-probs as the whole micro-batch
+        one = torch.cat([be.forward_logprobs(MicroBatch([t], [r]))[0]
+                         for t, r in zip(batch.tokens, batch.response_lengths)])
+        assert (one - lp).abs().max().item() < 1e-6
+
+        # weights: exactly the HF parameter names and shapes, bit-exact (megatron: after HF -> megatron -> HF)
+        weights = dict(be.named_weights())
+        params = dict(hf.named_parameters())
+        assert sorted(weights) == sorted(params)  # the engines' names, the tied head once (as the embedding)
+        for pname, p in params.items():
+            assert weights[pname].shape == p.shape and torch.equal(weights[pname], p.detach()), pname
+        if name == "megatron":
+            megatron_names = {n for n, _ in be.model.named_parameters()}
+            assert "decoder.layers.0.self_attention.linear_qkv.weight" in megatron_names
+            assert "decoder.layers.0.mlp.linear_fc1.weight" in megatron_names
+    finally:
+        actor.shutdown()
+
+
+def _train_capturing(args, batch, rollouts=1):
+    """Train `rollouts` times on `batch`; returns (grads per optimizer step with HF names, metrics,
+    final HF state)."""
+    actor = local_actor(args)
+    be = actor.backend
+    steps = []
+    orig = be.optimizer.step
+
+    def step(*a, **k):
+        if args.train_backend == "fsdp":
+            from torch.distributed.tensor import DTensor
+
+            steps.append({n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                          for n, p in be.model.named_parameters()})
+        else:
+            from slime.training.megatron.weights import to_hf  # optional dependency
+
+            grads = {n: p.grad.detach().clone() for n, p in be.model.named_parameters()}
+            steps.append(to_hf(grads, be.hf_config))
+        return orig(*a, **k)
+
+    be.optimizer.step = step
+    try:
+        metrics = [actor.train(i, batch) for i in range(rollouts)]
+        state = actor.full_state(optimizer=False)[0]
+    finally:
+        actor.shutdown()
+    return steps, metrics, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param("megatron", marks=needs_megatron)])
+def test_training_steps_match_the_reference_backend(name, tiny_model_dir, tmp_path):
+    """Same batch, loss (PPO clip + k3 KL + entropy), AdamW settings and micro-batches, two rollouts of
+    two optimizer steps each: the backend's gradients at every step, its metrics and its updated
+    weights are the FSDP backend's."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=12)
+    runs = {}
+    for backend in ("fsdp", name):
+        args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 3, "--clip-grad", 0.5,
+                         "--train-backend", backend)
+        assert args.num_steps_per_rollout == 2
+        runs[backend] = _train_capturing(args, batch, rollouts=2)
+    (gf, mf, sf), (gm, mm, sm) = runs["fsdp"], runs[name]
+    assert len(gf) == len(gm) == 4
+    for a, b in zip(gm, gf):
+        assert set(a) == set(b)
+        assert_states_close(a, b, atol=1e-6, rtol=1e-4)  # observed ~1e-8
+    for a, b in zip(mm, mf):
+        assert set(a) == set(b)
+        for k in b:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert mm[0]["train/grad_norm"] > 0.5  # clipping was active
+    assert mm[0]["train/ppo_kl"] != 0 and mm[1]["train/kl_loss"] > 0
+    initial = dict(hf_model(tiny_model_dir).state_dict())
+    assert set(sm) == set(initial) == set(sf)
+    assert min((sm[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # every weight moved
+    assert_states_close(sm, sf, atol=1e-5)
