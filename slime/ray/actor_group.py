@@ -13,7 +13,6 @@ rank i, object refs only); `init`, `save`/`load` (under `<path>/critic`) and
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import ray
@@ -24,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.ray.calls import first_line
 from slime.training.actor import TrainActor
 from slime.utils.errors import RunFailure, SlimeError
+from slime.utils.net import free_port
 from slime.utils.threads import cpu_threads
 
 MASTER_ADDR = "127.0.0.1"
@@ -32,11 +32,6 @@ MASTER_ADDR = "127.0.0.1"
 class TrainGroupError(RunFailure):
     """A train rank failed; the message names the role, rank and method."""
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((MASTER_ADDR, 0))
-        return s.getsockname()[1]
 
 
 _RemoteTrainActor = ray.remote(TrainActor)
@@ -52,7 +47,7 @@ class TrainGroup:
         if bundles is not None and len(bundles) < n:
             raise ValueError(f"TrainGroup needs {n} bundles, got {len(bundles)}")
         threads = str(cpu_threads(args, "train", n))
-        port = _free_port()
+        port = free_port(MASTER_ADDR)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "MASTER_ADDR": MASTER_ADDR,
                "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false"}
         self._actors = []

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 
 from slime.engines.control import wait_until_healthy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slime.utils.net import free_port
 
 
 @contextlib.contextmanager

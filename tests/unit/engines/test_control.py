@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import socket
 import subprocess
 import sys
 import threading
@@ -16,12 +15,7 @@ import pytest
 from aiohttp import web
 
 from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slime.utils.net import free_port
 
 
 class FakeEngine:
@@ -31,7 +25,7 @@ class FakeEngine:
         self.hits: dict[str, int] = {}
         self.flaky_failures = 2
         self.last_body = None
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -194,7 +188,7 @@ def test_timeout_raises_instead_of_hanging(fake):
 
 
 def test_connection_refused_is_retried_then_raises():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     c = _fast_client(url, max_retries=2, connect_timeout=1)
     t0 = time.monotonic()
     with pytest.raises(EngineError) as ei:
@@ -216,7 +210,7 @@ def test_blocking_client(fake):
         EngineControl(fake.url, timeout=5).request("POST", "/bad", json={})
     assert ei.value.status == 400 and "sampling_params.top_p" in str(ei.value) and fake.url in str(ei.value)
     with pytest.raises(EngineError, match="/health"):
-        EngineControl(f"http://127.0.0.1:{_free_port()}", timeout=2).health()
+        EngineControl(f"http://127.0.0.1:{free_port()}", timeout=2).health()
     # max_retries retries a 5xx in the blocking client too (none by default)
     fake.hits.clear()
     flaky = EngineControl(fake.url, timeout=5, max_retries=3)
@@ -226,7 +220,7 @@ def test_blocking_client(fake):
 
 
 def test_wait_until_healthy_failures():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     with pytest.raises(EngineError) as ei:
         wait_until_healthy(url, timeout=0.6)
