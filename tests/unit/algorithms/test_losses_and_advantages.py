@@ -484,12 +484,12 @@ def test_tis_weights_token_sequence_geometric_exact():
     assert not tis_weights(t, rollout, 2.0)[0].requires_grad
 
 
-def test_vanilla_tis_weights_the_policy_loss_and_reports_metrics():
-    from types import SimpleNamespace
-
+def test_vanilla_tis_weights_the_policy_loss_and_reports_metrics(tiny_model_dir, tmp_path):
     from slime.algorithms.losses import vanilla_tis
+    from tests.helpers.args import make_args
 
-    args = SimpleNamespace(tis_clip=1.5, tis_clip_low=0.5, tis_level="token")
+    args = make_args(tiny_model_dir, tmp_path, "--use-tis", "--tis-clip", 1.5, "--tis-clip-low", 0.5,
+                     "--tis-level", "token")
     pg = torch.tensor([2.0, -1.0, 3.0])
     mask = torch.tensor([1.0, 1.0, 0.0])
     out, out_mask, m = vanilla_tis(args, pg_loss=pg, train_log_probs=torch.tensor([-1.0, -2.0, -0.5]),
