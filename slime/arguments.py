@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import secrets
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_megatron,
 )
 from slime.data.dataset import count_rows, split_slice
+from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES
 from slime.utils.errors import SlimeConfigError
 
@@ -199,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "forwarded); vllm: vLLM's OpenAI server behind slime's adapter (--vllm-* forwarded)")
     g.add_argument("--sglang-server-concurrency", type=int, default=512,
                    help="most requests in flight to one engine")
+    g.add_argument("--engine-api-key", default=None,
+                   help="the secret every engine, adapter and router of the run requires (Authorization: Bearer "
+                        "KEY); default: $SLIME_ENGINE_API_KEY, else a new random key per run; custom code reads it "
+                        "as context().api_key")
     g.add_argument("--sglang-router-ip", default=None,
                    help="use this already running router instead of starting one")
     g.add_argument("--sglang-router-port", type=int, default=None)
@@ -504,6 +510,10 @@ def validate(args: Args) -> Args:
     validate_debug(args)
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
+    if args.engine_api_key is None:  # a job's processes share one key: its environment's, else a new one
+        args.engine_api_key = env_api_key() or secrets.token_urlsafe(32)
+    require(len(args.engine_api_key) >= 16 and args.engine_api_key.isprintable() and " " not in args.engine_api_key,
+            "--engine-api-key must be at least 16 printable characters without spaces")
     return args.freeze()
 
 

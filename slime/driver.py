@@ -32,7 +32,7 @@ from slime.rollout.manager import RolloutManager
 class Run:
     def __init__(self, args):
         self.args = args
-        cluster.init()
+        cluster.init(args)
         pgs = placement.create(args)
 
         # Rollout: data source, engines, rewards (max_concurrency=2: progress polls and control calls
@@ -52,8 +52,9 @@ class Run:
         self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)
         self.logger = MetricsLogger.from_args(args, self.start_rollout_id)
         self.handoff: dict[str, float] = {}  # --colocate: memory and times of the last turns
+        nodes = ", ".join(sorted(set(self.actor.addresses()))) or "-"
         print(f"slime: {len(self.engine_urls)} engine(s) at {', '.join(self.engine_urls) or '-'}; "
-              f"{args.dp_size} train rank(s){'; colocated' if args.colocate else ''}; weights by "
+              f"{args.dp_size} train rank(s) on {nodes}{'; colocated' if args.colocate else ''}; weights by "
               f"{args.update_weights_mode}; metrics in {self.logger.path}")
 
     def rollout_ids(self):

@@ -3,6 +3,10 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine key of the servers tests start by hand (a run makes its own: --engine-api-key); slime's
+# clients send the one in this variable, so tests talk to their servers as a run's parts do.
+TEST_ENGINE_KEY = "slime-test-engine-key-0123456789"
+os.environ.setdefault("SLIME_ENGINE_API_KEY", TEST_ENGINE_KEY)
 
 from pathlib import Path  # noqa: E402
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from slime.engines.auth import bearer, env_api_key
 from slime.utils.errors import RunFailure
 
 
@@ -308,15 +309,17 @@ class EngineControl(_Calls):
     """Blocking client of one engine (or a router in front of engines) at `url`.
 
     `timeout` bounds every call; `max_retries` retries connection errors and HTTP 5xx (default:
-    none, so a weight update is never sent twice)."""
+    none, so a weight update is never sent twice); `api_key`: the run's engine key (default: the
+    one slime hands its processes, `slime.engines.auth.env_api_key()`)."""
 
     backoff_base = 0.5
     backoff_max = 8.0
 
-    def __init__(self, url: str, timeout: float = 60.0, max_retries: int = 0):
+    def __init__(self, url: str, timeout: float = 60.0, max_retries: int = 0, api_key: str | None = None):
         self.base_url = normalize_url(url)
         self.timeout = timeout
         self.max_retries = max_retries
+        self.headers = bearer(api_key if api_key is not None else env_api_key())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -328,7 +331,7 @@ class EngineControl(_Calls):
         query = _query(params)
         if query:
             full += "?" + urllib.parse.urlencode(query)
-        headers = {}
+        headers = dict(self.headers)
         if json is not None:
             data, headers["Content-Type"] = _json.dumps(json).encode(), "application/json"
         elif data is not None:
@@ -374,14 +377,17 @@ class AsyncEngineControl(_Calls):
 
     One aiohttp.ClientSession per client, created lazily in the running event loop (and made anew
     when used from another loop). `timeout` bounds each call in total, `connect_timeout` the TCP
-    connect; connection errors and HTTP 5xx are retried up to `max_retries` times."""
+    connect; connection errors and HTTP 5xx are retried up to `max_retries` times; `api_key` as
+    for `EngineControl`."""
 
     backoff_base = 0.5
     backoff_max = 8.0
     max_connections = 1024
 
-    def __init__(self, url: str, timeout: float = 600.0, connect_timeout: float = 10.0, max_retries: int = 3):
+    def __init__(self, url: str, timeout: float = 600.0, connect_timeout: float = 10.0, max_retries: int = 3,
+                 api_key: str | None = None):
         self.base_url = normalize_url(url)
+        self.headers = bearer(api_key if api_key is not None else env_api_key())
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
@@ -398,6 +404,7 @@ class AsyncEngineControl(_Calls):
                 self._drop_foreign_session()
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
+                headers=self.headers,
                 # `connect` would include waiting for a pooled connection; bound the socket connect only
                 timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=self.connect_timeout),
             )
@@ -494,8 +501,8 @@ class RouterControl(EngineControl):
     list `GET /workers`; older ones know `/add_worker?url=`, `/remove_worker?url=`, `/list_workers`
     (`legacy`, switched on by the first 404 or 405)."""
 
-    def __init__(self, url: str, timeout: float = 30.0):
-        super().__init__(url, timeout=timeout)
+    def __init__(self, url: str, timeout: float = 30.0, api_key: str | None = None):
+        super().__init__(url, timeout=timeout, api_key=api_key)
         self.legacy = False
 
     def workers(self) -> list[dict]:

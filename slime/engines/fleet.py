@@ -177,7 +177,7 @@ class EngineFleet:
         if args.sglang_router_ip is not None:
             router_url = connect_router(args.sglang_router_ip, args.sglang_router_port)
         else:
-            self.router_process = start_router(log_path, args.rollout_request_timeout)
+            self.router_process = start_router(log_path, args.rollout_request_timeout, args.engine_api_key)
             router_url = self.router_process.url
         self.router = RouterAdmin(router_url, log_path=log_path if self.router_process else None)
         for url in self.urls:

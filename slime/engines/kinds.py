@@ -15,6 +15,7 @@ Nothing else in slime branches on the engine kind: code asks `engine_kind(args)`
 
 from __future__ import annotations
 
+from slime.engines.auth import run_weight_dirs
 from slime.engines.native.cli import native_command
 from slime.engines.sglang import check_sglang_args, sglang_command
 from slime.engines.vllm.launch import check_vllm_args, vllm_command
@@ -32,8 +33,17 @@ class EngineKind:
     def command(self, args, rank: int, host: str, port: int) -> list[str]:
         raise NotImplementedError
 
+    def launch_command(self, args, rank: int, host: str, port: int, master_addresses: list[str]) -> list[str]:
+        """What the launcher runs: `command` with the `access_flags` where the server reads them."""
+        return self.command(args, rank, host, port) + self.access_flags(args, master_addresses)
+
     def check(self, args) -> None:
         """Parse-time checks of the kind's own flags; raises SlimeConfigError naming the flag."""
+
+    def access_flags(self, args, master_addresses: list[str]) -> list[str]:
+        """What the server is told about who may call it (slime.engines.auth); the key itself goes
+        in the environment (`SLIME_ENGINE_API_KEY`), never on slime's own servers' command lines."""
+        return ["--weight-dirs", *run_weight_dirs(args), "--allowed-master-addresses", *master_addresses]
 
     def default_update_weights_mode(self, colocate: bool) -> str:
         """What `--update-weights-mode auto` means: a broadcast group for engines on their own
@@ -84,6 +94,9 @@ class SGLangKind(EngineKind):
     def check(self, args):
         check_sglang_args(args)
 
+    def access_flags(self, args, master_addresses):
+        return ["--api-key", args.engine_api_key]  # SGLang's own flag (it reads no environment variable)
+
     def unsupported_mode_message(self, mode):
         # its /update_weights_from_tensor wants CUDA-IPC handles (not implemented here)
         return ("--rollout-backend sglang takes weights by broadcast (--update-weights-mode distributed) on its "
@@ -100,6 +113,10 @@ class VllmKind(EngineKind):
 
     def command(self, args, rank, host, port):
         return vllm_command(args, rank, host, port)
+
+    def launch_command(self, args, rank, host, port, master_addresses):
+        # the adapter's own flags come before the `--` that starts vLLM's command
+        return vllm_command(args, rank, host, port, access=self.access_flags(args, master_addresses))
 
     def check(self, args):
         check_vllm_args(args)  # the venv exists, no --vllm-* flag overrides a managed one

@@ -1,8 +1,10 @@
 """Start inference-engine servers as processes owned by Ray actors.
 
 One `EngineServer` actor per engine: it is scheduled on the engine's placement bundle, launches
-the engine kind's server command (`slime.engines.kinds`) as a child process bound to 127.0.0.1,
-waits until `/health` answers, and kills the process on shutdown or when the actor dies. The
+the engine kind's server command (`slime.engines.kinds`) as a child process bound to its node's
+address (`slime.utils.net.node_address`: 127.0.0.1 on a local run), with the run's engine key in its
+environment and the run's directories and cluster addresses as the only ones it accepts
+(`slime.engines.auth`), waits until `/health` answers, and kills the process on shutdown or when the actor dies. The
 server's output goes to `<output-dir>/logs/engine_<rank>.log`.
 """
 
@@ -14,9 +16,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from slime.engines.auth import API_KEY_ENV
 from slime.engines.control import wait_until_healthy
 from slime.engines.kinds import engine_kind
-from slime.utils.net import LOOPBACK, free_port
+from slime.utils.net import cluster_addresses, free_port, node_address
 from slime.utils.processes import die_with_parent, kill_process_group, stop_process_group
 from slime.utils.threads import cpu_threads
 
@@ -33,15 +36,16 @@ class EngineServer:
         self.url: str | None = None
 
     def start(self) -> str:
-        return self._launch(free_port(LOOPBACK))
+        return self._launch(free_port(node_address()))
 
     def _launch(self, port: int) -> str:
-        host = LOOPBACK
-        cmd = engine_kind(self.args).command(self.args, self.rank, host, port)
+        host = node_address()
+        cmd = engine_kind(self.args).launch_command(self.args, self.rank, host, port, cluster_addresses())
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine_{self.rank}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1",
+                   **{API_KEY_ENV: self.args.engine_api_key})
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

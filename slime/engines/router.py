@@ -3,8 +3,11 @@
 slime always puts a router in front of its engines, one engine or many, as the original
 slime does: rollout requests go to the router URL, and agent code can use that one URL too.
 
-- `start_router(log_path, request_timeout)` starts `python -m sglang_router.launch_router` bound to
-  127.0.0.1 on a free port (its log goes to `<output-dir>/logs/router.log`); the process gets
+- `start_router(log_path, request_timeout, api_key)` starts `python -m sglang_router.launch_router`
+  bound to this node's address (127.0.0.1 on a local run) on a free port, its metrics on the same
+  address, requiring the run's engine key (`--api-key`: sglang-router then refuses requests without
+  it, except `/health`, and sends it to the engines); its log goes to
+  `<output-dir>/logs/router.log`; the process gets
   SIGKILL when its owner dies and is stopped by `RouterProcess.stop()`. With
   `--sglang-router-ip/--sglang-router-port` slime uses that running router instead
   (`connect_router`) and starts none.
@@ -32,12 +35,11 @@ from pathlib import Path
 
 from slime.engines.control import EngineControl, EngineError, RouterControl, normalize_url, wait_until_healthy
 from slime.utils.errors import RunFailure, SlimeConfigError
-from slime.utils.net import LOOPBACK, free_port
+from slime.utils.net import free_port, node_address
 from slime.utils.processes import die_with_parent, stop_process_group
 
 logger = logging.getLogger(__name__)
 
-ROUTER_HOST = LOOPBACK
 REGISTER_TIMEOUT = 120.0
 
 
@@ -46,7 +48,8 @@ class RouterError(RunFailure):
 
 
 # ------------------------------------------------------------------------------ process
-def router_command(host: str, port: int, prometheus_port: int, request_timeout: float) -> list[str]:
+def router_command(host: str, port: int, prometheus_port: int, request_timeout: float,
+                   api_key: str | None) -> list[str]:
     """Command line of the router slime starts (no workers yet: they are registered with POST /workers)."""
     return [
         sys.executable, "-m", "sglang_router.launch_router",
@@ -59,6 +62,7 @@ def router_command(host: str, port: int, prometheus_port: int, request_timeout: 
         "--prometheus-host", host,         # never 0.0.0.0 (its default)
         "--prometheus-port", str(prometheus_port),
         "--log-level", "warn",
+        *(["--api-key", api_key] if api_key else []),
     ]
 
 
@@ -91,18 +95,20 @@ def _log_tail(path: Path, n: int = 2000) -> str:
         return ""
 
 
-def start_router(log_path: str | Path, request_timeout: float, startup_timeout: float = 60.0) -> RouterProcess:
-    """Start sglang-router on a free loopback port; wait until `/health` answers."""
+def start_router(log_path: str | Path, request_timeout: float, api_key: str | None,
+                 startup_timeout: float = 60.0) -> RouterProcess:
+    """Start sglang-router on a free port of this node; wait until `/health` answers."""
     if importlib.util.find_spec("sglang_router") is None:
         raise SlimeConfigError("slime runs its engines behind sglang-router; install it: pip install sglang-router")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port(ROUTER_HOST)
-    cmd = router_command(ROUTER_HOST, port, free_port(ROUTER_HOST), request_timeout)
+    host = node_address()
+    port = free_port(host)
+    cmd = router_command(host, port, free_port(host), request_timeout, api_key)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=die_with_parent, env=dict(os.environ, NO_COLOR="1"))
-    router = RouterProcess(proc, f"http://{ROUTER_HOST}:{port}", log_path)
+    router = RouterProcess(proc, f"http://{host}:{port}", log_path)
     try:
         wait_until_healthy(router.url, startup_timeout, process=proc, poll_interval=0.2)
     except EngineError as e:
@@ -118,13 +124,20 @@ def start_router(log_path: str | Path, request_timeout: float, startup_timeout: 
 
 def connect_router(ip: str, port: int, timeout: float = 10.0) -> str:
     """URL of the running router named by --sglang-router-ip/--sglang-router-port; a clear error when
-    nothing answers there."""
+    nothing answers there or it refuses the run's engine key."""
     url = normalize_url(f"{ip}:{port}")
+    where = f"--sglang-router-ip {ip} --sglang-router-port {port}"
     try:
         EngineControl(url, timeout=timeout).health()
     except EngineError as e:
-        raise RouterError(f"--sglang-router-ip {ip} --sglang-router-port {port}: no router answers at {url} "
-                          f"({e})") from None
+        raise RouterError(f"{where}: no router answers at {url} ({e})") from None
+    try:
+        RouterControl(url, timeout=timeout).workers()
+    except EngineError as e:
+        if e.status in (401, 403):
+            raise RouterError(f"{where}: the router at {url} refuses the run's engine key (HTTP {e.status}); "
+                              "start it with --api-key set to this run's --engine-api-key") from None
+        raise RouterError(f"{where}: the router at {url} does not list its workers ({e})") from None
     return url
 
 

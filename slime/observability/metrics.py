@@ -46,7 +46,7 @@ class MetricsLogger:
                 "group": args.wandb_group,
                 "name": args.wandb_run_name or Path(args.output_dir).name,
                 "mode": args.wandb_mode or os.environ.get("WANDB_MODE", "online"),
-                "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+                "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "engine_api_key"},
             }
         return cls(args.output_dir, tensorboard=args.use_tensorboard, wandb_config=wandb_config)
 

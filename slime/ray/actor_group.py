@@ -23,11 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.ray.calls import first_line
 from slime.training.actor import TrainActor
 from slime.utils.errors import RunFailure, SlimeError
-from slime.utils.net import free_port
 from slime.utils.threads import cpu_threads
-
-MASTER_ADDR = "127.0.0.1"
-
 
 class TrainGroupError(RunFailure):
     """A train rank failed; the message names the role, rank and method."""
@@ -47,9 +43,7 @@ class TrainGroup:
         if bundles is not None and len(bundles) < n:
             raise ValueError(f"TrainGroup needs {n} bundles, got {len(bundles)}")
         threads = str(cpu_threads(args, "train", n))
-        port = free_port(MASTER_ADDR)
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "MASTER_ADDR": MASTER_ADDR,
-               "MASTER_PORT": str(port), "TOKENIZERS_PARALLELISM": "false"}
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
         self._actors = []
         for rank in range(n):
             opts: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": dict(env, RANK=str(rank),
@@ -64,7 +58,7 @@ class TrainGroup:
             elif ray.cluster_resources().get("GPU", 0) > 0:
                 opts["num_gpus"] = 1
             self._actors.append(
-                _RemoteTrainActor.options(**opts).remote(args, rank, n, role, MASTER_ADDR, port)
+                _RemoteTrainActor.options(**opts).remote(args, rank, n, role)
             )
 
     def __len__(self) -> int:
@@ -116,9 +110,15 @@ class TrainGroup:
     # ------------------------------------------------------------ API
 
     def init(self) -> None:
-        self._all("init")
+        # the group's store lives on rank 0's node, at the address Ray knows that node by
+        master_addr, master_port = self._wait("rendezvous", [self._actors[0].rendezvous.remote()])[0]
+        self._all("init", master_addr, master_port)
         if self.critic is not None:
             self.critic.init()
+
+    def addresses(self) -> list[str]:
+        """The node address of each rank (rank i at index i)."""
+        return self._all("address")
 
     def train(self, rollout_id: int, batches: list) -> dict[str, float]:
         """batches[i] (a RolloutBatch or an ObjectRef to one) is rank i's data; returns the metrics
@@ -194,6 +194,9 @@ class NoTraining:
 
     def init(self) -> None:
         pass
+
+    def addresses(self) -> list[str]:
+        return []
 
     def train(self, rollout_id: int, batches: list) -> dict[str, float]:
         return {}

@@ -50,6 +50,12 @@ class RolloutContext:
     def openai_base_url(self) -> str:
         return self.base_url.rstrip("/") + "/v1"
 
+    @property
+    def api_key(self) -> str:
+        """The run's engine key: `openai.AsyncOpenAI(base_url=ctx.openai_base_url, api_key=ctx.api_key)`,
+        or the header `Authorization: Bearer <key>` for a raw HTTP call (docs/security.md)."""
+        return self.args.engine_api_key
+
     def run(self, coro):
         """Run a coroutine on the rollout's event loop from synchronous custom code (e.g. a sync
         `--rollout-function-path` function calling `generate_tokens`) and return its result."""

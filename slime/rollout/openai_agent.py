@@ -39,6 +39,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 import openai
 
+from slime.engines.auth import env_api_key
 from slime.rollout.api import context
 from slime.types import Sample, SampleStatus
 
@@ -83,14 +84,16 @@ class TrajectoryRecorder:
     """
 
     def __init__(self, base_url: str, sampling_params: dict | None = None, *, model: str = "default",
-                 max_response_len: int | None = None, timeout: float = 600.0, api_key: str = "slime"):
+                 max_response_len: int | None = None, timeout: float = 600.0, api_key: str | None = None):
         self.calls: list[RecordedCall] = []
         self.model = model
         self.sampling_params = dict(sampling_params or {})
         self.max_response_len = max_response_len
         self._http = httpx.AsyncClient(transport=_RecordingTransport(self, httpx.AsyncHTTPTransport()),
                                        timeout=timeout)
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=self._http,
+        # the run's engine key (slime.engines.auth); "none" for a server that requires none
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or env_api_key() or "none",
+                                         http_client=self._http,
                                          max_retries=0, timeout=timeout)
 
     async def aclose(self) -> None:

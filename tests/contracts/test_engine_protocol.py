@@ -132,7 +132,8 @@ def _check_schema(calls):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    with native_server(tiny_model_dir, tmp_path_factory.mktemp("sgl") / "log.txt") as (url, proc):
+    with native_server(tiny_model_dir, tmp_path_factory.mktemp("sgl") / "log.txt",
+                       "--weight-dirs", str(tmp_path_factory.getbasetemp())) as (url, proc):
         yield url, proc
 
 

@@ -3,7 +3,11 @@ code uses the typed calls of slime.engines.control)."""
 
 from __future__ import annotations
 
+from slime.engines.auth import bearer, env_api_key
 from slime.engines.control import EngineControl
+
+# the header a raw request to a server started by a test needs (tests/conftest.py sets the key)
+AUTH = bearer(env_api_key())
 
 
 def get_json(url: str, path: str, timeout: float = 30.0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from slime.engines.auth import add_access_flags
 from slime.engines.passthrough import PassThrough, option_table
 from slime.utils.threads import cpu_threads
 
@@ -29,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streamed /generate events carry only the text, output_ids and log-probs new since the "
                         "previous event (SGLang's flag); default: cumulative")
     p.add_argument("--log-level", default="warning")
+    add_access_flags(p)
     return p
-
 
 
 # --sglang-* flags are written for SGLang's server; the native engine takes the ones it shares
@@ -38,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 # a warning, so a run can switch --rollout-backend without editing its flags.
 NATIVE_PASS_THROUGH = PassThrough("--sglang-", "the native engine", options=option_table(build_parser()),
                                   managed={"model_path": "use --hf-checkpoint", "host": "slime binds every engine",
-                                           "port": "slime picks a free port per engine"},
+                                           "port": "slime picks a free port per engine",
+                                           "api_key": "use --engine-api-key",
+                                           "weight_dirs": "slime passes the run's directories",
+                                           "allowed_master_addresses": "slime passes the cluster's addresses"},
                                   strict=False)
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load
 
 from slime.engines.control import Route
 from slime.engines.native.engine import NativeEngine
+from slime.engines.auth import ACCESS_KEY, Access, check_request, guard
 from slime.engines.native.http import ENGINE_KEY, INCREMENTAL_STREAM_KEY, submit
 from slime.engines.native.openai_api import OPENAI_HANDLERS
 from slime.engines.native.requests import GenerationResult
@@ -222,6 +223,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     path, version = parse_update_weights_from_disk(await read_json(request))
+    check_request(request, weight_path=path)
     v = await asyncio.get_running_loop().run_in_executor(None, engine.update_weights_from_disk, path, version)
     return web.json_response({"success": True, "weight_version": v, "message": "Succeeded to update model weights."})
 
@@ -229,8 +231,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def init_weights_update_group(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     kw = parse_init_weights_update_group(await read_json(request))
+    check_request(request, master_address=kw["master_address"])
+    access = request.app.get(ACCESS_KEY)
+    bind = access.host if access is not None else None  # its gloo sockets on the server's own address
     try:
-        await asyncio.get_running_loop().run_in_executor(None, lambda: engine.init_weights_update_group(**kw))
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: engine.init_weights_update_group(**kw, bind_address=bind))
     except ProtocolError:
         raise
     except Exception as e:  # noqa: BLE001 - rendezvous failed (timeout, unreachable master): report, keep serving
@@ -309,12 +315,15 @@ HANDLERS = {
 
 
 def create_app(engine: NativeEngine, shutdown_engine: bool = True,
-               incremental_streaming_output: bool = False) -> web.Application:
+               incremental_streaming_output: bool = False, access: Access | None = None) -> web.Application:
     """An aiohttp application serving `engine` (started here if it is not running).
 
     `incremental_streaming_output`: streamed `/generate` events carry only the text, token
-    ids and log-probs new since the previous event (SGLang's flag); default cumulative."""
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
+    ids and log-probs new since the previous event (SGLang's flag); default cumulative.
+    `access`: who may call it (`slime.engines.auth`); the command line always gives one."""
+    app = web.Application(middlewares=([guard(access)] if access else []) + [_errors], client_max_size=1 << 40)
+    if access is not None:
+        app[ACCESS_KEY] = access
     app[ENGINE_KEY] = engine
     app[INCREMENTAL_STREAM_KEY] = incremental_streaming_output
     add_routes(app, {**HANDLERS, **OPENAI_HANDLERS})

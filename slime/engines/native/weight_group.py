@@ -1,26 +1,33 @@
 """The process group that carries weights from a trainer (rank 0) to engines (ranks 1..N).
 
 Both ends build it the way SGLang's engines do (`init_custom_process_group`), so a trainer's
-group meets a native engine and a real SGLang engine alike: torch's `tcp://` rendezvous on
-`master_address:master_port` (rank 0 hosts the TCPStore), the store wrapped in
-`PrefixStore(group_name)`, and the group made by torch's `_new_process_group_helper`
-(gloo on CPU, NCCL on GPU). It needs no `torch.distributed.init_process_group`: the trainer
+group meets a native engine and a real SGLang engine alike: a TCPStore at
+`master_address:master_port` (rank 0 hosts it, on a socket bound to that address only:
+`slime.utils.dist.tcp_store`), the store wrapped in `PrefixStore(group_name)`, and the group made
+by torch's `_new_process_group_helper` (gloo on CPU with its sockets on `bind_address`, NCCL on GPU). It needs no `torch.distributed.init_process_group`: the trainer
 keeps its own FSDP group and the engine process has none.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+
+from slime.utils.dist import gloo_at, tcp_store
 
 
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-              backend: str = "gloo", timeout_s: float = 600.0, device: torch.device | None = None):
+              backend: str = "gloo", timeout_s: float = 600.0, device: torch.device | None = None,
+              bind_address: str | None = None, listener: socket.socket | None = None):
     """Join (rank > 0) or host (rank 0) the group; blocks until all `world_size` ranks joined.
+    `bind_address`: where this rank's gloo sockets listen (default: torch's gloo, which binds the
+    address the machine's hostname resolves to); `listener`:
+    rank 0's socket bound to master_address:master_port (made here when None).
 
     Returns (process group, store): `pg.broadcast(tensor, root).wait()`; keep the store alive.
     """
@@ -29,9 +36,9 @@ def new_group(master_address: str, master_port: int, rank: int, world_size: int,
     if backend == "nccl" and device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+    store = tcp_store(master_address, int(master_port), rank, world_size, timeout, listener)
+    name = gloo_at(bind_address) if backend == "gloo" and bind_address else backend
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(name), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
     return pg, store  # keep the store alive as long as the group
 

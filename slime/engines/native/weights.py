@@ -91,7 +91,7 @@ class EngineWeights:
     # ---- weights from a process group (SGLang's /init_weights_update_group protocol)
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "gloo",
-                                  timeout_s: float = 600.0) -> None:
+                                  timeout_s: float = 600.0, bind_address: str | None = None) -> None:
         """Join a weight-broadcast group as rank `rank_offset` (the trainer is rank 0).
 
         Blocks until every rank has joined (the trainer joins concurrently). The group is
@@ -102,7 +102,7 @@ class EngineWeights:
         if backend == "nccl" and self.device.type != "cuda":
             raise ProtocolError("backend", "nccl needs a CUDA device; use gloo on CPU")
         pg, store = new_group(master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
-                       device=self.device)
+                              device=self.device, bind_address=bind_address)
         self._groups[group_name] = (pg, rank_offset, world_size, backend, store)
 
     def destroy_weights_update_group(self, group_name: str) -> bool:

@@ -41,7 +41,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from slime.engines.control import EngineError, Route, wait_until_healthy
+from slime.engines.auth import ACCESS_KEY, Access, access_of, add_access_flags, check_request, guard
+from slime.engines.control import EngineError, Route
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -70,7 +71,7 @@ from slime.engines.vllm.translate import (
     upstream_error,
     vllm_request_id,
 )
-from slime.utils.net import LOOPBACK, free_port
+from slime.utils.dist import BIND_ADDRESS_ENV
 from slime.utils.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ class AdapterState:
     """What the adapter knows about its vLLM server."""
 
     def __init__(self, upstream: str, model_path: str, served_model: str = "slime", sleep_mode: bool = False,
-                 weights_dir: str | None = None):
+                 weights_dir: str | None = None, uds: str | None = None):
         self.upstream = upstream.rstrip("/")
+        self.uds = uds  # vLLM's Unix socket (a 0700 directory): its routes reachable by this user only
         self.model_path = model_path
         self.served_model = served_model
         self.sleep_mode = sleep_mode
@@ -106,7 +108,9 @@ class AdapterState:
 
     async def start(self) -> None:
         # one connection per request: vLLM's server may close a kept-alive connection after an error
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+        connector = (aiohttp.UnixConnector(path=self.uds, force_close=True, limit=0) if self.uds
+                     else aiohttp.TCPConnector(force_close=True, limit=0))
+        self.session = aiohttp.ClientSession(connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=GENERATE_TIMEOUT, sock_connect=30))
         models = await self.call("GET", "/v1/models", timeout=60)
         for m in models.get("data", []):
@@ -317,6 +321,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
     path, version = parse_update_weights_from_disk(await read_json(request))
+    check_request(request, weight_path=path)
     if not os.path.isdir(path):
         raise ProtocolError("model_path", f"{path} is not a directory")
     async with state.update_lock:
@@ -350,6 +355,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     """Every vLLM worker joins the trainer's weight group (blocks until all ranks have joined)."""
     state: AdapterState = request.app[STATE]
     kw = parse_init_weights_update_group(await read_json(request))
+    check_request(request, master_address=kw["master_address"])
     if kw["group_name"] in state.groups:
         raise ProtocolError("group_name", f"a weight update group named {kw['group_name']!r} already exists")
     async with state.update_lock:
@@ -403,8 +409,12 @@ async def passthrough(request: web.Request) -> web.Response:
         return web.Response(body=payload, status=r.status, content_type=r.content_type)
 
 
-def create_app(state: AdapterState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=1 << 40)
+def create_app(state: AdapterState, access: Access | None = None) -> web.Application:
+    """The adapter's application; `access`: who may call it (`slime.engines.auth`; the command line
+    always gives one)."""
+    app = web.Application(middlewares=([guard(access)] if access else []) + [_errors], client_max_size=1 << 40)
+    if access is not None:
+        app[ACCESS_KEY] = access
     app[STATE] = state
     add_routes(app, {
         Route.GENERATE: generate,
@@ -457,6 +467,28 @@ def vllm_env(base: dict | None = None) -> dict:
     return env
 
 
+async def _wait_for_upstream(uds: str, timeout: float, proc: subprocess.Popen) -> None:
+    """Poll vLLM's GET /health on its Unix socket until it answers 200; EngineError when `proc`
+    exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=uds)) as session:
+        while True:
+            if proc.poll() is not None:
+                raise EngineError(f"vLLM exited with code {proc.returncode} before becoming healthy (last: {last})")
+            if time.monotonic() > deadline:
+                raise EngineError(f"vLLM at {uds} not healthy after {timeout:.0f}s (last: {last})")
+            try:
+                async with session.get("http://localhost" + Route.HEALTH.path,
+                                       timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return
+                    last = f"HTTP {r.status}"
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -470,15 +502,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", required=True)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--sleep-mode", choices=("0", "1"), default="0")
+    add_access_flags(p)
     a = p.parse_args(own)
     if not vllm_cmd:
         p.error("no vLLM server command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    vport = free_port(LOOPBACK)
-    cmd = [*vllm_cmd, "--host", LOOPBACK, "--port", str(vport)]
+    # vLLM serves on a Unix socket in a directory of this user only: its routes (dev-mode ones
+    # included) have no key, so no other process may reach them; the adapter is the way in
+    sock_dir = tempfile.mkdtemp(prefix="slime-vllm-")
+    uds = os.path.join(sock_dir, "vllm.sock")
+    cmd = [*vllm_cmd, "--uds", uds]
     logger.info("starting vLLM: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=vllm_env(), preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, env=dict(vllm_env(), **{BIND_ADDRESS_ENV: a.host}), preexec_fn=die_with_parent)
 
     def _stop(*_):
         if proc.poll() is None:
@@ -490,19 +526,23 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _stop)
-    upstream = f"http://{LOOPBACK}:{vport}"
+    upstream = "http://localhost"
     try:
-        wait_until_healthy(upstream, a.startup_timeout, process=proc, poll_interval=1.0)
+        asyncio.run(_wait_for_upstream(uds, a.startup_timeout, proc))
     except EngineError as e:
         logger.error("%s", e)
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(sock_dir, ignore_errors=True)
         return 1
-    logger.info("vLLM is up at %s; serving slime's protocol on %s:%d", upstream, a.host, a.port)
-    state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1")
+    logger.info("vLLM is up at %s; serving slime's protocol on %s:%d", uds, a.host, a.port)
+    state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1", uds=uds)
+    access = access_of(a)
+    if access.api_key is None:
+        logger.warning("no --api-key: any local process may call this adapter (docs/security.md)")
 
     async def _serve():
-        runner = web.AppRunner(create_app(state))
+        runner = web.AppRunner(create_app(state, access))
         await runner.setup()
         await web.TCPSite(runner, a.host, a.port).start()
         try:
@@ -522,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(state.weights_dir, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     return 0 if proc.returncode in (0, None) else 1
 
 

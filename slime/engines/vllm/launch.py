@@ -108,14 +108,17 @@ def vllm_server_command(python: str, model_path: str, seed: int, vllm_args: dict
 
 
 def adapter_command(model_path: str, host: str, port: int, seed: int, vllm_args: dict, *,
-                    startup_timeout: float = 600.0, python: str | None = None) -> list[str]:
-    """The adapter process's command line (slime's python), wrapping vLLM's server command."""
+                    startup_timeout: float = 600.0, python: str | None = None,
+                    access: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The adapter process's command line (slime's python), wrapping vLLM's server command;
+    `access`: the adapter's access flags (`slime.engines.auth.add_access_flags`)."""
     return [
         sys.executable, "-m", "slime.engines.vllm.adapter",
         "--host", host, "--port", str(port),
         "--model-path", model_path,
         "--startup-timeout", str(startup_timeout),
         "--sleep-mode", "1" if vllm_args.get("enable_sleep_mode") else "0",
+        *access,
         "--",
         *vllm_server_command(python or vllm_python(), model_path, seed, vllm_args),
     ]
@@ -128,11 +131,11 @@ def check_vllm_args(args) -> None:
     forwarded_vllm_flags(args.vllm_args)
 
 
-def vllm_command(args, rank: int, host: str, port: int) -> list[str]:
+def vllm_command(args, rank: int, host: str, port: int, access: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Command line of engine `rank` for `--rollout-backend vllm` (used by the launcher)."""
     if args.rollout_num_gpus_per_engine != 1 and "tensor_parallel_size" not in args.vllm_args:
         vllm_args = dict(args.vllm_args, tensor_parallel_size=str(args.rollout_num_gpus_per_engine))
     else:
         vllm_args = args.vllm_args
     return adapter_command(args.hf_checkpoint, host, port, args.seed + rank, vllm_args,
-                           startup_timeout=args.engine_startup_timeout)
+                           startup_timeout=args.engine_startup_timeout, access=access)

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from slime.engines.native.weight_group import destroy_group, new_group
+from slime.utils.dist import BIND_ADDRESS_ENV
 
 
 class SlimeWorkerExtension:
@@ -113,7 +114,7 @@ class SlimeWorkerExtension:
         rank = int(rank_offset) + int(getattr(self, "rank", 0) or 0)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         pg, store = new_group(master_address, int(master_port), rank, int(world_size), group_name, backend,
-                              device=device)
+                              device=device, bind_address=os.environ.get(BIND_ADDRESS_ENV))
         groups[group_name] = (pg, store, backend)
         self._slime_received = []
         return {"rank": rank}

@@ -48,16 +48,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
 from slime.training.backend import LossFn, MicroBatch, StepTail
+from slime.utils.dist import init_process_group
+from slime.utils.net import node_address
 
 logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 HF_MAX_SHARD_BYTES = 5 * 10**9
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-
-
-def _distributed_backend(device: torch.device) -> str:
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 class FSDPBackend(StepTail):
@@ -81,13 +79,9 @@ class FSDPBackend(StepTail):
         if not dist.is_initialized():
             if master_port is None:
                 raise ValueError("FSDPBackend needs master_port to create the process group")
-            dist.init_process_group(
-                _distributed_backend(self.device),
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=PROCESS_GROUP_TIMEOUT,
-            )
+            # the store and this rank's gloo sockets bind its node's address only (slime.utils.dist)
+            init_process_group(self.device.type, rank, world_size, master_addr, master_port,
+                               PROCESS_GROUP_TIMEOUT, bind_address=node_address())
             self._owns_process_group = True
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")

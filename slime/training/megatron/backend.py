@@ -50,7 +50,9 @@ from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training.megatron import shims
 from slime.training.megatron.model import build_model
 from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
+from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
+from slime.utils.net import node_address
 
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -97,9 +99,9 @@ class MegatronBackend(StepTail):
         if not dist.is_initialized():
             if master_port is None:
                 raise ValueError("MegatronBackend needs master_port to create the process group")
-            dist.init_process_group("cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
-                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                    world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+            # the store and this rank's gloo sockets bind its node's address only (slime.utils.dist)
+            init_process_group(self.device.type, rank, world_size, master_addr, master_port,
+                               PROCESS_GROUP_TIMEOUT, bind_address=node_address())
             self._owns_process_group = True
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")

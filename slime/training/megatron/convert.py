@@ -40,7 +40,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slime.training.megatron.shims import cpu_only_cuda_shims  # noqa: F401 (all megatron-core CPU shims live there)
+from slime.utils.dist import gloo_at
 from slime.utils.errors import SlimeError
+from slime.utils.net import LOOPBACK
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker file name
@@ -253,7 +255,7 @@ def single_process_parallel_state():
     with tempfile.TemporaryDirectory() as tmp:
         if own_group:
             store = dist.FileStore(os.path.join(tmp, "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            dist.init_process_group(gloo_at(LOOPBACK), store=store, rank=0, world_size=1)
         own_mp = not parallel_state.model_parallel_is_initialized()
         if own_mp:
             parallel_state.initialize_model_parallel(1, 1)

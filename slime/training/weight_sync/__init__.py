@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Protocol
 
 from torch import Tensor
 
+from slime.engines.auth import run_weights_dir
 from slime.engines.kinds import engine_kind
 from slime.training.weight_sync.buckets import BucketCounts, iter_buckets, push_buckets
 from slime.training.weight_sync.check import check_engine_weights
@@ -65,7 +66,8 @@ def _distributed(args, rank: int) -> DistributedTransport:
 
 def _disk(args, rank: int) -> DiskTransport:
     return DiskTransport(args.update_weight_buffer_size, rank, num_engines=args.num_engines,
-                         gpus_per_engine=args.rollout_num_gpus_per_engine if args.colocate else None)
+                         gpus_per_engine=args.rollout_num_gpus_per_engine if args.colocate else None,
+                         directory=run_weights_dir(args.engine_api_key))
 
 
 TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {

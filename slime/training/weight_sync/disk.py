@@ -1,8 +1,9 @@
 """`--update-weights-mode disk`: same-host hand-off by path (the default with --colocate and the
 native engine; native engine only, as SGLang's disk load expects a whole model directory).
 
-Each bucket is written as `bucket.safetensors` into its own directory in shared memory
-(`/dev/shm` when present), every engine loads it with `/update_weights_from_disk`
+Each bucket is written as `bucket.safetensors` into its own directory under the run's weight
+directory (`slime.engines.auth.run_weights_dir`: in `/dev/shm` when present, mode 0700, the only
+place the run's engines load from besides its output and checkpoints), every engine loads it with `/update_weights_from_disk`
 (`EngineControl.update_weights_from_disk`), and the directory is removed; the bytes cross
 processes through a RAM file instead of an HTTP body. The prefix cache is flushed once, after the
 last bucket (`flush_cache`; the native engine's disk load does not flush by itself).
@@ -31,9 +32,13 @@ from slime.training.weight_sync.buckets import (
 )
 
 
-def shm_dir() -> str | None:
-    """/dev/shm when it is a writable directory (Linux), else None (the system temp dir)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def own_directory(path: str) -> str:
+    """`path` as a directory of this user only (created 0700); refuses one someone else made."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} exists and is not a directory of this user; remove it")
+    return path
 
 
 class DiskTransport:
@@ -41,10 +46,10 @@ class DiskTransport:
 
     num_engines: the run's engines; gpus_per_engine: --rollout-num-gpus-per-engine when colocated
     (each rank feeds its own engines), None otherwise (rank 0 feeds all); directory: where the
-    buckets go (default /dev/shm)."""
+    buckets go (the run's weight directory, which its engines are told to accept)."""
 
     def __init__(self, buffer_size: int, rank: int, *, num_engines: int, gpus_per_engine: int | None = None,
-                 directory: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+                 directory: str, timeout: float = DEFAULT_TIMEOUT):
         self.buffer_size = buffer_size
         self.rank = rank
         self.num_engines = num_engines
@@ -70,8 +75,7 @@ class DiskTransport:
         if not self.engines:
             counts = push_buckets(named_weights, self.buffer_size, None)
         else:
-            tmp = tempfile.mkdtemp(prefix="slime-weights-",
-                                   dir=self.directory if self.directory is not None else shm_dir())
+            tmp = tempfile.mkdtemp(prefix="push-", dir=own_directory(self.directory))
             try:
                 with engine_pool(len(self.engines)) as pool:
                     numbers = count()
@@ -96,3 +100,7 @@ class DiskTransport:
 
     def close(self) -> None:
         self.engines = []
+        try:
+            os.rmdir(self.directory)  # empty unless another rank of the run still pushes
+        except OSError:
+            pass

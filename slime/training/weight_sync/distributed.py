@@ -23,9 +23,7 @@ import logging
 import time
 import uuid
 from typing import Iterable
-from urllib.parse import urlparse
 
-import ray
 import torch
 from torch import Tensor
 
@@ -35,7 +33,7 @@ from slime.training.weight_sync.buckets import (
     DEFAULT_TIMEOUT, Bucket, BucketCounts, engine_pool, push_buckets,
 )
 from slime.training.weight_sync.tensor import TensorTransport
-from slime.utils.net import LOOPBACK, free_port
+from slime.utils.net import listening_socket, node_address
 
 logger = logging.getLogger(__name__)
 
@@ -69,35 +67,33 @@ class BroadcastGroup:
         self.store = None
 
 
-def init_broadcast_group(engine_urls: list[str], *, master_address: str = LOOPBACK, master_port: int | None = None,
+def init_broadcast_group(engine_urls: list[str], *, master_address: str | None = None, master_port: int | None = None,
                          group_name: str = "slime_weight_sync", backend: str | None = None,
                          timeout: float = DEFAULT_TIMEOUT, tp_size: int = 1) -> BroadcastGroup:
     """Create the broadcast group: every engine is asked to join (`init_weights_update_group`) while
     this process joins as rank 0; engine i's tensor-parallel rank r joins as 1 + i * tp_size + r
     (SGLang adds its TP rank to the rank_offset it is given; the native engine has one rank).
-    backend: gloo (CPU tensors) or nccl (CUDA tensors); default nccl when CUDA is available."""
+    backend: gloo (CPU tensors) or nccl (CUDA tensors); default nccl when CUDA is available.
+    master_address: this node's address (`node_address()`: what the engines reach it at; the store
+    and the gloo sockets bind it only); master_port: default a port the OS picks."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    master_address = master_address or node_address()
+    listener = None
     if master_port is None:
-        master_port = free_port(master_address)
+        listener = listening_socket(master_address)
+        master_port = listener.getsockname()[1]
     world_size = 1 + len(engine_urls) * tp_size
     engines = [EngineControl(url, timeout=timeout) for url in engine_urls]
     with engine_pool(len(engines), most=16) as pool:
         futs = [pool.submit(e.init_weights_update_group, master_address, master_port, 1 + i * tp_size, world_size,
                             group_name, backend) for i, e in enumerate(engines)]
-        pg, store = new_group(master_address, master_port, 0, world_size, group_name, backend, timeout)
+        pg, store = new_group(master_address, master_port, 0, world_size, group_name, backend, timeout,
+                              bind_address=master_address, listener=listener)
         for fut in futs:
             fut.result()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return BroadcastGroup(pg, engine_urls, group_name, backend, device, store)
-
-
-def this_host(engine_urls: list[str]) -> str:
-    """The address engines reach rank 0 at: loopback when every engine is on loopback, else this
-    node's IP as Ray sees it."""
-    if {urlparse(u).hostname for u in engine_urls} <= {LOOPBACK, "localhost"}:
-        return LOOPBACK
-    return ray.util.get_node_ip_address()
 
 
 class DistributedTransport:
@@ -151,7 +147,7 @@ class DistributedTransport:
                 self.close()  # an engine was restarted (--use-fault-tolerance) and left the group
             if self.group is None:
                 self.group = init_broadcast_group(
-                    self.engine_urls, master_address=this_host(self.engine_urls), backend=self.backend,
+                    self.engine_urls, backend=self.backend,
                     group_name=f"slime_weights_{uuid.uuid4().hex[:8]}", timeout=self.timeout,
                     tp_size=self.ranks_per_engine)
             t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from slime.engines.native.engine import NativeEngine
 from slime.engines.protocol import ProtocolError
 from tests.helpers.http import get_json, post_bytes, post_json
 from tests.helpers.native_server import native_server
+from tests.helpers.http import AUTH
 
 PROMPTS = ["What is 12 - 3? Answer:", "1 + 1 = 2.", "please reply with only the final result", "7"]
 
@@ -250,7 +251,7 @@ def test_generation_capped_at_context(engine):
 # ---------------------------------------------------------------- HTTP server
 def _post(url, path, payload, raw: bytes | None = None):
     data = raw if raw is not None else json.dumps(payload).encode()
-    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=data, method="POST", headers={"Content-Type": "application/json", **AUTH})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())

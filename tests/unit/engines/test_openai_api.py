@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers.http import get_json, post_json
 from tests.helpers.native_server import native_server
+from tests.helpers.http import AUTH
+from slime.engines.auth import env_api_key
 
 openai = pytest.importorskip("openai")
 
@@ -21,7 +23,7 @@ def server(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     url, _ = server
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60, max_retries=0)
+    return openai.OpenAI(base_url=url + "/v1", api_key=env_api_key(), timeout=60, max_retries=0)
 
 
 def test_models_and_completions(client, server, tiny_model_dir):
@@ -103,7 +105,7 @@ def test_bad_openai_requests_are_400(server, path, payload, field):
 
     url, proc = server
     req = urllib.request.Request(url + path, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(req, timeout=30)
     body = json.loads(ei.value.read())

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from slime.engines.auth import env_api_key
 from slime.engines.control import EngineControl
 from slime.engines.fleet import EnginePool
 from slime.engines.router import RouterAdmin, RouterError, connect_router, start_router
@@ -37,7 +38,10 @@ class CountingProxy:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             async with self.session.request(request.method, self.target + request.path_qs, data=body,
-                                            headers={"Content-Type": request.content_type}) as resp:
+                                            headers={"Content-Type": request.content_type,
+                                                     # the router passes the run's key on to its workers
+                                                     **({"Authorization": request.headers["Authorization"]}
+                                                        if "Authorization" in request.headers else {})}) as resp:
                 data = await resp.read()
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type)
         finally:
@@ -70,7 +74,7 @@ def two_engines(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def router(tmp_path):
-    r = start_router(tmp_path / "logs" / "router.log", request_timeout=120)
+    r = start_router(tmp_path / "logs" / "router.log", request_timeout=120, api_key=env_api_key())
     try:
         yield r
     finally:
@@ -158,7 +162,7 @@ def test_router_dies_with_its_owner(tmp_path):
     import psutil
 
     code = (f"from slime.engines.router import start_router\n"
-            f"r = start_router({str(tmp_path / 'router.log')!r}, 60)\n"
+            f"r = start_router({str(tmp_path / 'router.log')!r}, 60, None)\n"
             f"print(r.process.pid, flush=True)\n"
             f"import time; time.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

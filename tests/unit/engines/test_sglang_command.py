@@ -47,6 +47,7 @@ def _captured_add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--context-length", type=int, default=None)
     a("--weight-version", type=str, default="default")
     a("--uvicorn-access-log-exclude-prefixes", type=str, nargs="*", default=None)
+    a("--api-key", type=str, default=None)
 
 
 @pytest.fixture
@@ -206,7 +207,7 @@ ns = p.parse_args(sys.argv[1:])
 open(os.environ["FAKE_SGLANG_ARGV"], "w").write(json.dumps(sys.argv[1:]))
 os.execv(sys.executable, [sys.executable, "-m", "slime.engines.native", "--model-path", ns.model_path,
          "--host", ns.host, "--port", str(ns.port), "--random-seed", str(ns.random_seed), "--num-threads", "1",
-         "--max-running-requests", str(ns.max_running_requests)])
+         "--max-running-requests", str(ns.max_running_requests), "--api-key", ns.api_key])
 """
 
 
@@ -237,7 +238,8 @@ def test_engine_server_launches_the_sglang_command(tiny_model_dir, data_file, tm
         assert (info["random_seed"], info["max_running_requests"]) == (7, 16)
         argv = json.loads((tmp_path / "argv.json").read_text())
         assert argv[argv.index("--port") + 1] == url.rsplit(":", 1)[1]
-        assert argv[-2:] == ["--max-running-requests", "16"] and argv[argv.index("--tp-size") + 1] == "1"
+        assert argv[-4:-2] == ["--max-running-requests", "16"] and argv[argv.index("--tp-size") + 1] == "1"
+        assert argv[-2:] == ["--api-key", args.engine_api_key]  # SGLang's own flag carries the run's key
         proc = server.process
     finally:
         server.shutdown()

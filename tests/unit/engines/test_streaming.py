@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers.http import get_json, post_json
 from tests.helpers.native_server import native_server
+from tests.helpers.http import AUTH
+from slime.engines.auth import env_api_key
 
 openai = pytest.importorskip("openai")
 
@@ -46,7 +48,7 @@ def parse_sse(raw: str) -> list:
 
 def stream(url: str, path: str, payload: dict) -> list[dict]:
     req = urllib.request.Request(url + path, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **AUTH})
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         return parse_sse(r.read().decode("utf-8"))
@@ -144,7 +146,7 @@ def test_incremental_streaming_output(tiny_model_dir):
         srv = TestServer(app, host="127.0.0.1")
         await srv.start_server()
         try:
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers=AUTH) as s:
                 async with s.post(srv.make_url("/generate"), json=body) as r:
                     ref = await r.json()
                 async with s.post(srv.make_url("/generate"), json={**body, "stream": True}) as r:
@@ -169,7 +171,7 @@ def test_incremental_streaming_output(tiny_model_dir):
 # ---------------------------------------------------------------- OpenAI endpoints
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+    return openai.OpenAI(base_url=server + "/v1", api_key=env_api_key(), timeout=60, max_retries=0)
 
 
 def test_openai_completions_stream(client):
@@ -225,7 +227,7 @@ def test_stream_requests_are_validated_before_streaming(server):
                                   "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ]:
         req = urllib.request.Request(server + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **AUTH})
         with pytest.raises(urllib.error.HTTPError) as ei:
             urllib.request.urlopen(req, timeout=30)
         assert ei.value.code == 400 and field in json.loads(ei.value.read())["error"]["message"]
@@ -252,7 +254,7 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     long = {"max_new_tokens": 400, "ignore_eos": True}
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=AUTH) as s:
             try:
                 # running: read one event, freeze decoding, then go away; the row leaves while paused
                 resp = await s.post(server + "/generate", json={"input_ids": [5, 6], "stream": True,
@@ -282,7 +284,7 @@ def test_abort_ends_the_stream(server):
     long = {"max_new_tokens": 400, "ignore_eos": True}
 
     async def main():
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=AUTH) as s:
             try:
                 resp = await s.post(server + "/generate", json={"input_ids": [5, 6], "rid": "s-abort", "stream": True,
                                                                "sampling_params": long})

@@ -33,6 +33,7 @@ from slime.engines.vllm.translate import (
 )
 from slime.utils.errors import SlimeConfigError
 from tests.helpers.args import make_args
+from tests.helpers.http import AUTH
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -293,7 +294,7 @@ def http(url, path, body=None, raw=None, method=None):
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     ctype = "application/octet-stream" if raw is not None else "application/json"
     req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": ctype})
+                                 headers={"Content-Type": ctype, **AUTH})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read() or b"null")

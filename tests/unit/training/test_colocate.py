@@ -162,7 +162,9 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     from transformers import AutoModelForCausalLM
 
     from slime.engines.control import EngineControl
+    from slime.engines.kinds import engine_kind
     from slime.training.weight_sync import make_transport
+    from slime.utils.net import LOOPBACK
     from slime.utils.weights import tensor_digest
     from tests.helpers.native_server import native_server
 
@@ -172,7 +174,9 @@ def test_push_modes_reach_a_native_engine(tiny_model_dir, data_file, mode, tmp_p
     transport = make_transport(args, rank=0)
     assert type(transport).__name__ == {"tensor": "TensorTransport", "distributed": "DistributedTransport",
                                         "disk": "DiskTransport"}[mode]
-    with native_server(tiny_model_dir, tmp_path / "engine.log") as (url, _proc):
+    # started with the run's access flags, as the launcher starts it (its weight directory, loopback)
+    access = engine_kind(args).access_flags(args, [LOOPBACK])
+    with native_server(tiny_model_dir, tmp_path / "engine.log", *access) as (url, _proc):
         engine = EngineControl(url)
         first_group = None
         try:

@@ -82,9 +82,9 @@ def test_non_sending_ranks_of_every_transport_only_iterate():
     for transport, keys in [
         (TensorTransport(2048, rank=1), {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}),
         (DistributedTransport(2048, rank=1, num_engines=2), {"bytes", "buckets", "seconds", "num_engines"}),
-        (DiskTransport(2048, rank=1, num_engines=2), {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}),
+        (DiskTransport(2048, rank=1, num_engines=2, directory="unused"), {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}),
         # colocated: rank 1 feeds the engines on its device (engine j on rank j x 2: none here)
-        (DiskTransport(2048, rank=1, num_engines=2, gpus_per_engine=2),
+        (DiskTransport(2048, rank=1, num_engines=2, gpus_per_engine=2, directory="unused"),
          {"bytes", "payload_bytes", "buckets", "seconds", "num_engines"}),
     ]:
         transport.connect(urls)
@@ -101,11 +101,11 @@ def test_colocated_disk_ranks_feed_the_engines_on_their_device():
     urls = ["http://e0", "http://e1", "http://e2"]
     mine = {}
     for rank in range(6):
-        t = DiskTransport(1024, rank, num_engines=3, gpus_per_engine=2)
+        t = DiskTransport(1024, rank, num_engines=3, gpus_per_engine=2, directory="unused")
         t.connect(urls)
         mine[rank] = [e.base_url for e in t.engines]
     assert mine == {0: ["http://e0"], 1: [], 2: ["http://e1"], 3: [], 4: ["http://e2"], 5: []}
-    t = DiskTransport(1024, 0, num_engines=3, gpus_per_engine=2)
+    t = DiskTransport(1024, 0, num_engines=3, gpus_per_engine=2, directory="unused")
     t.connect(urls[1:])  # a subset (a restarted engine): rank 0 feeds it
     assert [e.base_url for e in t.engines] == ["http://e1", "http://e2"]
 
