@@ -82,3 +82,30 @@ def test_rank_i_lands_on_bundle_i(fake_gpu_ray, colocate, placement_args):
             ray.kill(a)
     finally:
         ray.util.remove_placement_group(p.pg)
+
+
+def _node(ip: str, gpus: float) -> dict:
+    return {"Alive": True, "NodeManagerAddress": ip, "NodeID": f"id-{ip}", "Resources": {"GPU": gpus, "CPU": 4.0}}
+
+
+def test_train_ranks_spread_over_nodes_and_errors_name_the_nodes(monkeypatch, tiny_model_dir, tmp_path):
+    """--actor-num-nodes N: G ranks pinned to each of N distinct nodes that have G devices; too few
+    nodes, or nodes without the devices, are one line naming them."""
+    gpu = placement.GPU_BUNDLE
+    args = make_args(tiny_model_dir, tmp_path, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2",
+                     "--rollout-num-gpus", "1", "--rollout-batch-size", "4")
+    nodes = [_node("10.0.0.3", 2), _node("10.0.0.1", 1), _node("10.0.0.2", 4)]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    selectors = placement._train_node_selectors(args, gpu, 5)
+    # the nodes with two devices, in address order: ranks 0-1 on 10.0.0.2, ranks 2-3 on 10.0.0.3
+    assert selectors == [{"ray.io/node-id": "id-10.0.0.2"}] * 2 + [{"ray.io/node-id": "id-10.0.0.3"}] * 2 + [{}]
+
+    nodes[:] = [_node("10.0.0.1", 1), _node("10.0.0.2", 4)]
+    with pytest.raises(SlimeError) as e:
+        placement._train_node_selectors(args, gpu, 5)
+    assert str(e.value) == ("--actor-num-nodes 2 --actor-num-gpus-per-node 2: each train node needs {'GPU': 2, 'CPU': 2}, "
+                            "only 1 of 2 node(s) have it (node 10.0.0.1 has {'GPU': 1, 'CPU': 4})")
+
+    nodes[:] = [_node("10.0.0.2", 4)]
+    with pytest.raises(SlimeError, match=r"--actor-num-nodes 2: the cluster has 1 alive node\(s\) \(10.0.0.2\)"):
+        placement._train_node_selectors(args, gpu, 5)
