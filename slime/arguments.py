@@ -229,7 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-sequence-packing", action="store_true",
                    help="train on padded [batch, max_len] micro-batches instead of packing each micro-batch's "
                         "samples into one row without padding (the default, exact)")
-    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--lr", type=float, default=1e-6, help="the peak learning rate (slime.training.lr_schedule)")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
+                   help="after the warm-up: --lr throughout (constant), or down to --min-lr by --lr-decay-iters")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="optimizer steps until --min-lr (default: every optimizer step of the run)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="the warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="the learning rate the warm-up starts from")
+    g.add_argument("--min-lr", type=float, default=0.0, help="where linear and cosine decay end")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.98)
@@ -507,6 +516,7 @@ def validate(args: Args) -> Args:
             f"--num-rollout must be >= 1 (or 0 with --eval-prompt-data: an eval-only run), got {args.num_rollout}")
     require(not (args.num_rollout == 0 and args.skip_eval_before_train),
             "--num-rollout 0 is an eval-only run; --skip-eval-before-train would leave nothing to do")
+    validate_lr_schedule(args)
     validate_debug(args)
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
@@ -515,6 +525,22 @@ def validate(args: Args) -> Args:
     require(len(args.engine_api_key) >= 16 and args.engine_api_key.isprintable() and " " not in args.engine_api_key,
             "--engine-api-key must be at least 16 printable characters without spaces")
     return args.freeze()
+
+
+def validate_lr_schedule(args: Args) -> None:
+    """The learning-rate flags (slime.training.lr_schedule), once the run's length is known."""
+    require(args.min_lr >= 0 and args.lr_warmup_init >= 0, "--min-lr and --lr-warmup-init must be >= 0")
+    require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+            "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    require(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1,
+            f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    require(args.lr_decay_iters is None or args.lr_decay_iters >= 1,
+            f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    decay = args.lr_decay_iters or args.num_rollout * args.num_steps_per_rollout
+    require(args.lr_warmup_iters <= decay, f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the "
+                                           f"{decay} optimizer steps of the decay (--lr-decay-iters)")
 
 
 def _data_file(spec: str) -> Path:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from slime.training import lr_schedule
+
 logger = logging.getLogger(__name__)
 
 
@@ -100,7 +102,7 @@ class TrainBackend(Protocol):
 
 class StepTail:
     """What every backend does the same way at the end of a step (mixed into FSDPBackend and
-    MegatronBackend, which have `optimizer`, `device`, `rank`, `world_size` and `args`)."""
+    MegatronBackend, which have `optimizer`, `lr_schedule`, `device`, `rank`, `world_size` and `args`)."""
 
     def _max_grad_norm(self) -> float:
         return self.args.clip_grad if self.args.clip_grad and self.args.clip_grad > 0 else math.inf
@@ -108,7 +110,9 @@ class StepTail:
     def _step_if_finite(self, grad_norm: float) -> float:
         """Optimizer step (skipped, with a warning, on a non-finite norm), then zero the grads."""
         if math.isfinite(grad_norm):
+            step = lr_schedule.apply(self.lr_schedule, self.optimizer.param_groups)  # this step's learning rate
             self.optimizer.step()
+            lr_schedule.advance(self.optimizer.param_groups, step)
         else:
             logger.warning("rank %d: non-finite grad norm %s, skipping the optimizer step", self.rank, grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
@@ -116,6 +120,7 @@ class StepTail:
 
     @property
     def lr(self) -> float:
+        """The learning rate of the last step taken (the schedule's first before any)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:

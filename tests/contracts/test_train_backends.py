@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from slime.training.actor import BACKENDS
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
+from slime.training.lr_schedule import LRSchedule
 from tests.helpers.training import COMMON, TEMPERATURE, assert_states_close, local_actor, make_args, synthetic_batch
 
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
@@ -156,3 +157,45 @@ def test_training_steps_match_the_reference_backend(name, tiny_model_dir, tmp_pa
     assert set(sm) == set(initial) == set(sf)
     assert min((sm[k] - initial[k]).abs().max().item() for k in initial) > 1e-4  # every weight moved
     assert_states_close(sm, sf, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_every_step_trains_at_the_scheduled_lr_and_a_resume_continues_it(name, tiny_model_dir, tmp_path):
+    """--lr-decay-style cosine with a warm-up: each optimizer step's learning rate is the schedule's
+    (train/lr logs the last step's), and a rank restored from a checkpoint continues the schedule."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=13)
+    args = make_args(tiny_model_dir, tmp_path, *COMMON, "--train-backend", name, "--num-rollout", 3,
+                     "--lr-decay-style", "cosine", "--lr-warmup-iters", 2, "--min-lr", 1e-4)
+    assert args.num_steps_per_rollout == 2
+    schedule = LRSchedule(lr=1e-3, min_lr=1e-4, style="cosine", warmup_iters=2, decay_iters=6)
+
+    def capture(actor, used):
+        orig = actor.backend.optimizer.step
+
+        def step(*a, **k):
+            used.append(actor.backend.optimizer.param_groups[0]["lr"])
+            return orig(*a, **k)
+
+        actor.backend.optimizer.step = step
+
+    used, logged = [], []
+    actor = local_actor(args)
+    try:
+        capture(actor, used)
+        for rollout in range(2):
+            logged.append(actor.train(rollout, batch)["train/lr"])
+        actor.save(str(tmp_path / "ckpt"))
+    finally:
+        actor.shutdown()
+    assert used == pytest.approx([schedule.at(s) for s in range(4)]) and used[0] == 0.0  # warm-up from 0
+    assert logged == pytest.approx([used[1], used[3]])
+
+    resumed = local_actor(args)
+    try:
+        resumed.load(str(tmp_path / "ckpt"))
+        capture(resumed, used)
+        logged.append(resumed.train(2, batch)["train/lr"])
+    finally:
+        resumed.shutdown()
+    assert used[4:] == pytest.approx([schedule.at(4), schedule.at(5)])  # where it stopped, not from 0
+    assert schedule.at(5) < schedule.at(4) < schedule.at(2) == 1e-3

@@ -48,6 +48,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
 from slime.training.backend import LossFn, MicroBatch, StepTail
+from slime.training import lr_schedule
+from slime.training.lr_schedule import LRSchedule
 from slime.utils.dist import init_process_group
 from slime.utils.net import node_address
 
@@ -126,13 +128,15 @@ class FSDPBackend(StepTail):
         if self.sharded:  # FSDP2 leaves the root's parameters unsharded after a forward; the optimizer needs the shards
             model.reshard()
 
+        self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=args.critic_lr if value_head else args.lr,
+            lr=self.lr_schedule.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
         )
+        lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
         self.ref_model = None
         if with_ref:

@@ -47,6 +47,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
 from slime.training.backend import LossFn, MicroBatch, StepTail
+from slime.training import lr_schedule
+from slime.training.lr_schedule import LRSchedule
 from slime.training.megatron import shims
 from slime.training.megatron.model import build_model
 from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
@@ -123,9 +125,11 @@ class MegatronBackend(StepTail):
             self.ref_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr,
+        self.lr_schedule = LRSchedule.from_args(args, args.lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr_schedule.lr,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                            weight_decay=args.weight_decay)
+        lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
     def _hf_state(self) -> dict[str, Tensor]:
         hf = AutoModelForCausalLM.from_pretrained(self.args.hf_checkpoint, dtype=torch.float32)
