@@ -194,6 +194,31 @@ def _validate_loss_type(args: Args) -> None:
     args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 
+def validate_recompute(args: Args) -> None:
+    """--recompute-*: Megatron's flags; the FSDP backend recomputes whole decoder layers (all, or the
+    first N with --recompute-method block)."""
+    if args.recompute_granularity is None:
+        require(args.recompute_method is None and args.recompute_num_layers is None,
+                "--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        return
+    if args.recompute_granularity == "selective":
+        require(args.recompute_method is None, "--recompute-method goes with --recompute-granularity full")
+        require(args.train_backend == "megatron", "--recompute-granularity selective (core attention only) needs "
+                                                  "--train-backend megatron; the FSDP backend recomputes whole layers "
+                                                  "(--recompute-granularity full)")
+        return
+    if args.recompute_method is None:
+        args.recompute_method = "uniform"
+    if args.recompute_num_layers is None:
+        require(args.recompute_method == "uniform", "--recompute-method block needs --recompute-num-layers N "
+                                                    "(the first N layers are recomputed)")
+        args.recompute_num_layers = 1
+    require(args.recompute_num_layers >= 1, f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
+    require(args.train_backend == "megatron" or args.recompute_method == "block" or args.recompute_num_layers == 1,
+            "--recompute-method uniform with --recompute-num-layers > 1 (groups of layers) needs --train-backend "
+            "megatron; the FSDP backend recomputes one layer at a time")
+
+
 def validate_megatron(args: Args) -> None:
     """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
     what the CPU (gloo) build cannot run is refused here with what it needs."""

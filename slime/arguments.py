@@ -30,6 +30,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_debug,
     validate_engines,
     validate_megatron,
+    validate_recompute,
 )
 from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
@@ -229,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-sequence-packing", action="store_true",
                    help="train on padded [batch, max_len] micro-batches instead of packing each micro-batch's "
                         "samples into one row without padding (the default, exact)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="activation recompute: full: each decoder layer keeps only its input and runs again in "
+                        "backward; selective (megatron only): the core attention")
+    g.add_argument("--gradient-checkpointing", dest="recompute_granularity", action="store_const", const="full",
+                   help="the same as --recompute-granularity full")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full: uniform (every layer; megatron: in groups of --recompute-num-layers) or block "
+                        "(only the first --recompute-num-layers layers)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed group (uniform) or recomputed layers (block); default 1 / all")
     g.add_argument("--lr", type=float, default=1e-6, help="the peak learning rate (slime.training.lr_schedule)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
                    help="after the warm-up: --lr throughout (constant), or down to --min-lr by --lr-decay-iters")
@@ -500,6 +511,7 @@ def validate(args: Args) -> Args:
     validate_algorithm(args)
     validate_async(args)
     validate_megatron(args)
+    validate_recompute(args)
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
 

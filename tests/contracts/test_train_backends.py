@@ -12,13 +12,16 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.training.actor import BACKENDS
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.lr_schedule import LRSchedule
-from tests.helpers.training import COMMON, TEMPERATURE, assert_states_close, local_actor, make_args, synthetic_batch
+from slime.utils.errors import SlimeConfigError
+from tests.helpers.training import (
+    COMMON, TEMPERATURE, assert_states_close, grads_after_train, local_actor, make_args, synthetic_batch,
+)
 
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
@@ -199,3 +202,50 @@ def test_every_step_trains_at_the_scheduled_lr_and_a_resume_continues_it(name, t
         resumed.shutdown()
     assert used[4:] == pytest.approx([schedule.at(4), schedule.at(5)])  # where it stopped, not from 0
     assert schedule.at(5) < schedule.at(4) < schedule.at(2) == 1e-3
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_recompute_gives_the_same_gradients(name, tiny_model_dir, tmp_path, monkeypatch):
+    """--recompute-granularity full: every decoder layer runs again in backward (counted at the
+    checkpoint function each backend uses), and the step's gradients and metrics are those
+    without recompute within fp32 tolerance."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=14)
+    if name == "megatron" and not torch.cuda.is_available():  # megatron-core's recompute keeps CUDA RNG states
+        args = make_args(tiny_model_dir, tmp_path, *COMMON, "--train-backend", name, "--gradient-checkpointing")
+        with pytest.raises(SlimeConfigError, match="--recompute-granularity full with --train-backend megatron "
+                                                   "needs CUDA .*; on CPU use --train-backend fsdp"):
+            local_actor(args)
+        return
+    plain = grads_after_train(make_args(tiny_model_dir, tmp_path, *COMMON, "--train-backend", name), batch)
+    calls = []
+    if name == "fsdp":
+        import slime.training.fsdp.backend as module
+
+        target = "checkpoint"
+    else:
+        from megatron.core import tensor_parallel as module  # optional dependency: only when installed
+
+        target = "checkpoint"
+    original = getattr(module, target)
+    monkeypatch.setattr(module, target, lambda *a, **k: calls.append(1) or original(*a, **k))
+    args = make_args(tiny_model_dir, tmp_path, *COMMON, "--train-backend", name, "--gradient-checkpointing")
+    assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == ("full", "uniform", 1)
+    recomputed = grads_after_train(args, batch)
+    layers = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    assert len(calls) >= 2 * layers and len(calls) % layers == 0  # every layer of every micro-batch
+    assert_states_close(recomputed[0], plain[0], atol=1e-6, rtol=1e-5)
+    for k, v in plain[1].items():
+        assert recomputed[1][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-granularity", "selective"], "--recompute-granularity selective (core attention only) needs "
+                                               "--train-backend megatron"),
+    (["--recompute-method", "block"], "--recompute-method and --recompute-num-layers need --recompute-granularity full"),
+    (["--gradient-checkpointing", "--recompute-method", "block"], "--recompute-method block needs --recompute-num-layers N"),
+    (["--gradient-checkpointing", "--recompute-num-layers", 2], "--recompute-method uniform with --recompute-num-layers > 1"),
+])
+def test_bad_recompute_flags_are_one_line(tiny_model_dir, tmp_path, flags, message):
+    with pytest.raises(SlimeConfigError) as e:
+        make_args(tiny_model_dir, tmp_path, *flags)
+    assert message in str(e.value)

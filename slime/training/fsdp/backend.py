@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -111,6 +112,10 @@ class FSDPBackend(StepTail):
         # hooks and DTensor dispatch in the optimizer (a third of a tiny model's step on CPU), for
         # the same numbers. So a single rank trains the plain module (the same math, bit for bit);
         # checkpoints stay DCP (by parameter name), so they resume on any number of ranks.
+        if args.recompute_granularity == "full":  # before sharding: FSDP's hooks stay on the layer
+            layers = _decoder_layers(model)
+            for layer in layers[: args.recompute_num_layers if args.recompute_method == "block" else len(layers)]:
+                _recompute_in_backward(layer)
         self.sharded = world_size > 1
         if self.sharded:
             mesh = init_device_mesh(self.device.type, (world_size,))
@@ -408,6 +413,20 @@ class FSDPBackend(StepTail):
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _recompute_in_backward(layer: torch.nn.Module) -> None:
+    """Activation recompute of one decoder layer (--recompute-granularity full): with gradients,
+    its forward keeps only its inputs and runs again in backward (torch's non-reentrant
+    checkpoint); the module, its parameter names and its FSDP hooks are unchanged."""
+    forward = layer.forward
+
+    def recomputed(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    layer.forward = recomputed
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:

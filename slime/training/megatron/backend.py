@@ -94,6 +94,10 @@ class MegatronBackend(StepTail):
         else:
             self.device = torch.device("cpu")
         self.tp, _, _ = _check_parallel(args, world_size)
+        if args.recompute_granularity and self.device.type != "cuda":
+            raise SlimeConfigError(f"--recompute-granularity {args.recompute_granularity} with --train-backend megatron "
+                                   "needs CUDA (megatron-core's recompute saves and restores the CUDA RNG states); on "
+                                   "CPU use --train-backend fsdp")
         sft = args.loss_type == "sft_loss"
         self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
@@ -118,10 +122,10 @@ class MegatronBackend(StepTail):
 
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         hf_state = self._hf_state()
-        self.model = self._build(hf_state)
+        self.model = self._build(hf_state, recompute=True)
         self.ref_model = None
         if with_ref:
-            self.ref_model = self._build(hf_state)
+            self.ref_model = self._build(hf_state, recompute=False)
             self.ref_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
@@ -135,9 +139,13 @@ class MegatronBackend(StepTail):
         hf = AutoModelForCausalLM.from_pretrained(self.args.hf_checkpoint, dtype=torch.float32)
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
-    def _build(self, hf_state):
+    def _build(self, hf_state, recompute: bool):
+        """A model with the checkpoint's weights; `recompute`: with --recompute-* (the trained policy)."""
+        args = self.args
         with shims.cpu_only_cuda_shims():
-            model = build_model(self.hf_config, tp=self.tp, sequence_parallel=self.args.sequence_parallel)
+            model = build_model(self.hf_config, tp=self.tp, sequence_parallel=args.sequence_parallel,
+                                recompute=(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
+                                if recompute else (None, None, None))
         load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
         return model.to(self.device)
 

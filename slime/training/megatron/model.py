@@ -40,16 +40,21 @@ def check_parallel_config(config, tp: int) -> None:
             raise SlimeConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n})")
 
 
-def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32):
+def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32,
+                recompute: tuple[str | None, str | None, int | None] = (None, None, None)):
     """A GPTModel for one tensor-parallel rank (pre- and post-process: no pipeline split).
+    `recompute`: megatron's (recompute_granularity, recompute_method, recompute_num_layers).
 
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank sees full [b, s, V_padded] logits.
     """
     check_parallel_config(config, tp)
     theta, _ = mc._rope(config)
+    granularity, method, num_layers = recompute
     tconf = dataclasses.replace(mc.transformer_config(config, dtype), tensor_model_parallel_size=tp,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, recompute_granularity=granularity,
+                                recompute_method=method if granularity == "full" else None,
+                                recompute_num_layers=num_layers if granularity == "full" else None)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(config))
     model = GPTModel(
         config=tconf,
@@ -65,7 +70,9 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     )
     _mark_tensor_parallel(model)
     model.to(dtype)
-    model.eval()  # dropout is 0 anyway; eval keeps it that way for any future layer
+    # dropout is 0 anyway; eval keeps it that way for any future layer. megatron recomputes only in
+    # training mode, so a model built to recompute is left in it (the same numbers: no dropout)
+    model.train(granularity is not None)
     return model
 
 
