@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.helpers.e2e import ROOT, records
+from tests.helpers.ray_cluster import processes_of
 
 SCRIPT = ROOT / "scripts" / "local_cluster.sh"
 NODES = {"127.0.0.2", "127.0.0.3"}
@@ -62,21 +63,7 @@ def cluster():
 
 
 def _cluster_processes(work: str) -> list[psutil.Process]:
-    marker = work + "/ray"
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in part for part in (p.info["cmdline"] or [])):
-                roots.append(p)
-        except psutil.Error:
-            pass
-    found = {p.pid: p for p in roots}
-    for p in roots:
-        try:
-            found.update({c.pid: c for c in p.children(recursive=True)})
-        except psutil.Error:
-            pass
-    return list(found.values())
+    return processes_of(work + "/ray")
 
 
 def _ip(addr: str) -> str:

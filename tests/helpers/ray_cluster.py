@@ -19,6 +19,28 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disa
 
 
 
+def processes_of(marker: str) -> list[psutil.Process]:
+    """The processes whose command line names `marker` (a Ray cluster's temp dir) and all their
+    descendants, never this process or its callers."""
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in (p.info["cmdline"] or [])):
+                roots.append(p)
+        except psutil.Error:
+            pass
+    me = psutil.Process()
+    mine = {me.pid} | {a.pid for a in me.parents()}
+    roots = [p for p in roots if p.pid not in mine]
+    found = {p.pid: p for p in roots}
+    for p in roots:
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True) if c.pid not in mine})
+        except psutil.Error:
+            pass
+    return list(found.values())
+
+
 def ray_env() -> dict[str, str]:
     env = dict(os.environ, **LOOPBACK_ENV)
     env.pop("RAY_ADDRESS", None)
@@ -58,23 +80,7 @@ class HeadNode:
         return self
 
     def processes(self) -> list[psutil.Process]:
-        roots = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.temp_dir in part for part in (p.info["cmdline"] or [])):
-                    roots.append(p)
-            except psutil.Error:
-                pass
-        me = psutil.Process()
-        mine = {me.pid} | {a.pid for a in me.parents()}  # never this process or its callers
-        roots = [p for p in roots if p.pid not in mine]
-        found = {p.pid: p for p in roots}
-        for p in roots:
-            try:
-                found.update({c.pid: c for c in p.children(recursive=True) if c.pid not in mine})
-            except psutil.Error:
-                pass
-        return list(found.values())
+        return processes_of(self.temp_dir)
 
     def stop(self) -> None:
         procs = self.processes()
