@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(only the first --recompute-num-layers layers)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recomputed group (uniform) or recomputed layers (block); default 1 / all")
+    g.add_argument("--log-probs-chunk-size", type=int, default=1024,
+                   help="the FSDP backend computes log-probs and entropy from the last hidden states, applying the "
+                        "output layer to this many tokens at a time (no [tokens, vocab] tensor of the micro-batch); "
+                        "0: from the model's full logits")
     g.add_argument("--lr", type=float, default=1e-6, help="the peak learning rate (slime.training.lr_schedule)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
                    help="after the warm-up: --lr throughout (constant), or down to --min-lr by --lr-decay-iters")
@@ -514,6 +518,7 @@ def validate(args: Args) -> Args:
     validate_recompute(args)
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    require(args.log_probs_chunk_size >= 0, f"--log-probs-chunk-size must be >= 0, got {args.log_probs_chunk_size}")
 
     # length of the run
     require(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -153,6 +154,52 @@ def compute_log_probs_and_entropy(
     lp = torch.cat([o[0] for o in outs]).reshape(tokens.shape)
     ent = torch.cat([o[1] for o in outs]).reshape(tokens.shape)
     return lp, ent
+
+
+def log_probs_from_hidden(
+    hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False, entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token log-probs (and entropy) straight from the last hidden states: the output layer
+    (`weight` [V, H], no bias) is applied chunk by chunk, so no [rows, V] tensor larger than one
+    chunk ever exists, in forward or backward (with gradients each chunk's logits are recomputed
+    in backward: activation checkpointing). Up to `chunk_size` rows are one chunk, computed
+    exactly as `compute_log_probs*` on the full logits.
+
+    hidden: Tensor[N, H]; tokens: Tensor[N] (the caller shifts, as for compute_log_probs)
+    returns (log_probs Tensor[N] float32, entropy Tensor[N] float32 or None unless `with_entropy`;
+    with gradient only with `entropy_grad`)
+    """
+    n = tokens.shape[0]
+    if n <= chunk_size:
+        logits = F.linear(hidden, weight)
+        if with_entropy and entropy_grad:
+            return compute_log_probs_and_entropy(logits, tokens, temperature, chunk_size)
+        log_probs = compute_log_probs(logits, tokens, temperature, chunk_size)
+        if not with_entropy:
+            return log_probs, None
+        with torch.no_grad():
+            return log_probs, compute_entropy(logits.detach(), temperature, chunk_size)
+
+    def scores(h: Tensor, t: Tensor):
+        if with_entropy and entropy_grad:
+            return _chunk_both(F.linear(h, weight), t, temperature)
+        return _chunk_log_probs(F.linear(h, weight), t, temperature)
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    lps, ents = [], []
+    for s in range(0, n, chunk_size):
+        h, t = hidden[s : s + chunk_size], tokens[s : s + chunk_size]
+        out = checkpoint(scores, h, t, use_reentrant=False, preserve_rng_state=False) if grad else scores(h, t)
+        if with_entropy and entropy_grad:
+            lps.append(out[0])
+            ents.append(out[1])
+            continue
+        lps.append(out)
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(_chunk_entropy(F.linear(h.detach(), weight.detach()), temperature))
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
 # ---------------------------------------------------------------- policy losses

@@ -47,7 +47,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
+from slime.algorithms.losses import (
+    compute_entropy, compute_log_probs, compute_log_probs_and_entropy, log_probs_from_hidden,
+)
 from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
@@ -125,6 +127,9 @@ class FSDPBackend(StepTail):
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # log-probs from the hidden states through the output layer chunk by chunk (no [tokens, vocab]
+        # tensor), for models whose forward ends in that layer (checked once)
+        self.hidden_head = bool(args.log_probs_chunk_size) and not value_head and self._head_is_last_step()
         self.pack = not args.disable_sequence_packing
         if self.pack and not self._packing_is_exact():
             logger.warning("%s ignores packed position_ids here; training on padded rows instead",
@@ -220,6 +225,27 @@ class FSDPBackend(StepTail):
         return ids[None].to(self.device), pos[None].to(self.device), torch.cat(score).to(self.device)
 
     @torch.no_grad()
+    def _head_is_last_step(self) -> bool:
+        """Whether the model's logits are its output layer (a bias-free linear layer) applied to what
+        reaches it, with nothing after (no soft-capping or scaling): checked on a tiny input
+        (collective: every rank runs the same forwards)."""
+        head = self.model.get_output_embeddings()
+        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        if not isinstance(head, torch.nn.Linear) or head.bias is not None or vocab < 2:
+            return False
+        ids = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(4321)).to(self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        self.hidden_head = True
+        try:
+            hidden, weight = self._head_inputs(self.model, input_ids=ids, use_cache=False)
+        finally:
+            self.hidden_head = False
+        if hidden.shape[-1] != weight.shape[-1]:
+            return False
+        again = torch.nn.functional.linear(hidden[0], weight).float()
+        return bool((again - logits).abs().max() <= 1e-5 * (float(logits.abs().max()) + 1.0))
+
+    @torch.no_grad()
     def _packing_is_exact(self) -> bool:
         """Whether a packed row gives the same outputs as separate forwards (collective: every
         rank runs the same tiny forwards)."""
@@ -250,28 +276,50 @@ class FSDPBackend(StepTail):
             attn[i, : lens[i]] = 1
         return ids.to(self.device), attn.to(self.device), prompt_lens
 
+    def _head_inputs(self, model, **inputs) -> tuple[Tensor, Tensor | None]:
+        """The model's forward: (logits, None), or with the chunked output layer (hidden states of
+        the same positions, the output layer's weight), so no full [tokens, vocab] tensor exists."""
+        if not self.hidden_head:
+            return model(**inputs).logits, None
+        head = model.get_output_embeddings()
+        head.forward = _identity  # the causal LM's last step is head(hidden): it hands back the hidden states
+        try:
+            hidden = model(**inputs).logits
+        finally:
+            del head.forward
+        return hidden, head.weight
+
+    def _scores(self, x: Tensor, weight: Tensor | None, tgt: Tensor, *, with_entropy: bool,
+                entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropy) of `tgt` from the rows of logits, or of hidden states and the
+        output layer's weight (slime.algorithms.losses.log_probs_from_hidden)."""
+        if weight is not None:
+            return log_probs_from_hidden(x, weight, tgt, self.temperature, self.args.log_probs_chunk_size,
+                                         with_entropy=with_entropy, entropy_grad=entropy_grad)
+        if with_entropy and entropy_grad:
+            return compute_log_probs_and_entropy(x, tgt, self.temperature)
+        log_probs = compute_log_probs(x, tgt, self.temperature)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = compute_entropy(x.detach(), self.temperature)
+        return log_probs, entropy
+
     def _forward_packed(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
         ids, pos, score = self._pack(mb)
         keep = score if score.numel() else 1  # no response token: keep the graph (FSDP) with one position
         if self._supports_logits_to_keep:
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits[0]
+            x, weight = self._head_inputs(model, input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+            x = x[0]
         else:
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-            logits = logits[score] if score.numel() else logits[-1:]
+            x, weight = self._head_inputs(model, input_ids=ids, position_ids=pos, use_cache=False)
+            x = x[0][score] if score.numel() else x[0][-1:]
         if not score.numel():
-            log_probs = logits.new_zeros(0, dtype=torch.float32)
+            log_probs = x.new_zeros(0, dtype=torch.float32)
             if torch.is_grad_enabled():
-                log_probs = log_probs + 0.0 * logits.sum()
+                log_probs = log_probs + 0.0 * x.sum()
             return log_probs, (log_probs.detach().clone() if with_entropy else None)
-        tgt = ids[0, score + 1]
-        if with_entropy and entropy_grad:
-            return compute_log_probs_and_entropy(logits, tgt, self.temperature)
-        log_probs = compute_log_probs(logits, tgt, self.temperature)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = compute_entropy(logits.detach(), self.temperature)
-        return log_probs, entropy
+        return self._scores(x, weight, ids[0, score + 1], with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def _forward(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
         if self.pack:
@@ -282,27 +330,20 @@ class FSDPBackend(StepTail):
         # logits are needed from the first position that scores a response token on
         start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
         kwargs = {"logits_to_keep": t - start} if self._supports_logits_to_keep else {}
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **kwargs).logits  # [B, t-start, V]
+        x, weight = self._head_inputs(model, input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
 
         lps, ents = [], []
         for i in range(b):
             p, r = prompt_lens[i], mb.response_lengths[i]
-            lg = logits[i, p - 1 - start : p - 1 - start + r]  # [r, V], a view
-            tgt = ids[i, p : p + r]
-            if with_entropy and entropy_grad:
-                lp, ent = compute_log_probs_and_entropy(lg, tgt, self.temperature)
-            else:
-                lp = compute_log_probs(lg, tgt, self.temperature)
-                ent = None
-                if with_entropy:
-                    with torch.no_grad():
-                        ent = compute_entropy(lg.detach(), self.temperature)
+            rows = x[i, p - 1 - start : p - 1 - start + r]  # [r, V] logits or [r, H] hidden states, a view
+            lp, ent = self._scores(rows, weight, ids[i, p : p + r], with_entropy=with_entropy,
+                                   entropy_grad=entropy_grad)
             lps.append(lp)
             ents.append(ent)
         log_probs = torch.cat(lps)
         if log_probs.numel() == 0 and torch.is_grad_enabled():
             # keep every parameter in the graph so FSDP's backward collectives still run
-            log_probs = log_probs + 0.0 * logits.sum()
+            log_probs = log_probs + 0.0 * x.sum()
         entropy = torch.cat(ents) if with_entropy else None
         return log_probs, entropy
 
@@ -413,6 +454,10 @@ class FSDPBackend(StepTail):
 
 def _full(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
 
 
 def _recompute_in_backward(layer: torch.nn.Module) -> None:
