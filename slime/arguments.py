@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import difflib
+import json
 import secrets
 import sys
 from pathlib import Path
@@ -110,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None,
                    help="checkpoint directory to resume from (written by --save); empty or missing: start fresh")
     g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--ref-load", default=None,
+                   help="Hugging Face model directory of the KL reference model (default: --hf-checkpoint); same "
+                        "vocabulary as the policy")
     g.add_argument("--save-interval", type=int, default=None, help="save every N rollouts (and after the last)")
 
     g = p.add_argument_group("data")
@@ -454,6 +458,8 @@ def validate(args: Args) -> Args:
     hf = Path(args.hf_checkpoint)
     require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
     require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
+    if args.ref_load is not None:
+        _check_ref_load(args)
     require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
     if args.prompt_data is not None:
@@ -542,6 +548,22 @@ def validate(args: Args) -> Args:
     require(len(args.engine_api_key) >= 16 and args.engine_api_key.isprintable() and " " not in args.engine_api_key,
             "--engine-api-key must be at least 16 printable characters without spaces")
     return args.freeze()
+
+
+def _check_ref_load(args: Args) -> None:
+    """--ref-load: a Hugging Face model directory whose vocabulary is the policy's."""
+    ref = Path(args.ref_load)
+    require(ref.is_dir(), f"--ref-load: directory {args.ref_load} does not exist")
+    require((ref / "config.json").is_file(), f"--ref-load: {args.ref_load} has no config.json (a Hugging Face "
+                                             "model directory is expected)")
+    vocab = [_vocab_size(d / "config.json") for d in (Path(args.hf_checkpoint), ref)]
+    require(vocab[0] == vocab[1], f"--ref-load {args.ref_load}: vocabulary of {vocab[1]} tokens, but --hf-checkpoint "
+                                  f"{args.hf_checkpoint} has {vocab[0]}; the reference must score the same tokens")
+
+
+def _vocab_size(config: Path) -> int | None:
+    cfg = json.loads(config.read_text())
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
 def validate_lr_schedule(args: Args) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
@@ -150,12 +150,23 @@ class FSDPBackend(StepTail):
 
         self.ref_model = None
         if with_ref:
-            ref = AutoModelForCausalLM.from_pretrained(
-                args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
-            ).to(self.device)
-            ref.eval()
-            ref.requires_grad_(False)
-            self.ref_model = ref
+            self.ref_model = self._reference_model(args.ref_load or args.hf_checkpoint)
+
+    def _reference_model(self, path: str) -> torch.nn.Module:
+        """The frozen KL reference. Sharded like the policy (each rank holds 1/N of it; a forward
+        gathers one layer at a time); on a GPU it also stays in host memory and comes to the device
+        layer by layer, only for the reference forward (FSDP2's CPU offload)."""
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        ref.eval()
+        ref.requires_grad_(False)
+        if not self.sharded and self.device.type != "cuda":
+            return ref  # one CPU rank: nothing to shard, and the host is the device
+        policy = CPUOffloadPolicy(pin_memory=True) if self.device.type == "cuda" else OffloadPolicy()
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        for layer in _decoder_layers(ref):
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(ref, mesh=mesh, offload_policy=policy)
+        return ref
 
     # ------------------------------------------------------------ forward
 
@@ -172,7 +183,10 @@ class FSDPBackend(StepTail):
         if model is None:
             raise RuntimeError("no reference model was built (use_kl_loss is off)")
         with torch.set_grad_enabled(grad and not ref):
-            return self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
+            out = self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
+        if ref and isinstance(model, FSDPModule):
+            model.reshard()  # FSDP2 keeps the root's parameters (embeddings, head) gathered after a forward
+        return out
 
     def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
         """Critic values of every response token of a micro-batch (value head models only).

@@ -121,11 +121,11 @@ class MegatronBackend(StepTail):
         shims.use_cpu_rng_tracker()
 
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
-        hf_state = self._hf_state()
+        hf_state = self._hf_state(args.hf_checkpoint)
         self.model = self._build(hf_state, recompute=True)
         self.ref_model = None
-        if with_ref:
-            self.ref_model = self._build(hf_state, recompute=False)
+        if with_ref:  # --ref-load: another checkpoint of the same vocabulary (checked at parse time)
+            self.ref_model = self._build(self._hf_state(args.ref_load) if args.ref_load else hf_state, recompute=False)
             self.ref_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
@@ -135,8 +135,8 @@ class MegatronBackend(StepTail):
                                            weight_decay=args.weight_decay)
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
-    def _hf_state(self) -> dict[str, Tensor]:
-        hf = AutoModelForCausalLM.from_pretrained(self.args.hf_checkpoint, dtype=torch.float32)
+    def _hf_state(self, path: str) -> dict[str, Tensor]:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
     def _build(self, hf_state, recompute: bool):
