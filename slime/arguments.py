@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(only the first --recompute-num-layers layers)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recomputed group (uniform) or recomputed layers (block); default 1 / all")
+    g.add_argument("--bf16", action="store_true",
+                   help="mixed precision: bf16 compute, fp32 master weights and optimizer, gradients reduced in fp32 "
+                        "(FSDP2's MixedPrecisionPolicy); the engines serve bf16 unless their --*-dtype says otherwise")
+    g.add_argument("--fp16", action="store_true", help="refused: fp16 training needs loss scaling; use --bf16")
     g.add_argument("--log-probs-chunk-size", type=int, default=1024,
                    help="the FSDP backend computes log-probs and entropy from the last hidden states, applying the "
                         "output layer to this many tokens at a time (no [tokens, vocab] tensor of the micro-batch); "
@@ -524,6 +528,11 @@ def validate(args: Args) -> Args:
     validate_recompute(args)
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")
+    require(not args.fp16, "--fp16 needs loss scaling, which slime does not implement; use --bf16")
+    require(not (args.bf16 and args.train_backend == "megatron"),
+            "--bf16 with --train-backend megatron is not built yet (it needs megatron's fp32 main-parameter "
+            "optimizer); use --train-backend fsdp")
     require(args.log_probs_chunk_size >= 0, f"--log-probs-chunk-size must be >= 0, got {args.log_probs_chunk_size}")
 
     # length of the run

@@ -18,7 +18,7 @@ from __future__ import annotations
 from slime.engines.auth import run_weight_dirs
 from slime.engines.native.cli import native_command
 from slime.engines.sglang import check_sglang_args, sglang_command
-from slime.engines.vllm.launch import check_vllm_args, vllm_command
+from slime.engines.vllm.launch import check_vllm_args, checkpoint_dtype, vllm_command
 from slime.utils.errors import SlimeConfigError
 
 UPDATE_WEIGHTS_MODES = ("auto", "tensor", "distributed", "disk")
@@ -64,6 +64,22 @@ class EngineKind:
         """Ranks each engine joins the trainer's broadcast group with (one per tensor-parallel worker)."""
         return 1
 
+    def own_args(self, args) -> dict:
+        """The kind's pass-through flags ({key: value}): `--sglang-*`, or `--vllm-*` for vLLM."""
+        return args.sglang_args
+
+    def serve_dtype(self, args) -> str | None:
+        """The dtype the engines serve in: the kind's own `dtype` flag, else bfloat16 with --bf16,
+        else the kind's default (None: the engine decides, e.g. SGLang's `auto`). Weights are pushed
+        in it."""
+        given = self.own_args(args).get("dtype")
+        if given and given != "auto":
+            return given
+        return "bfloat16" if args.bf16 else self.default_dtype(args)
+
+    def default_dtype(self, args) -> str | None:
+        return None
+
 
 class NativeKind(EngineKind):
     """The embedded PyTorch engine: `python -m slime.engines.native`."""
@@ -72,7 +88,10 @@ class NativeKind(EngineKind):
     update_weights_modes = ("tensor", "distributed", "disk")
 
     def command(self, args, rank, host, port):
-        return native_command(args, rank, host, port)
+        return native_command(args, rank, host, port, self.serve_dtype(args))
+
+    def default_dtype(self, args):
+        return "float32"  # the trainer's dtype on CPU
 
     def default_update_weights_mode(self, colocate):
         return "disk" if colocate else "distributed"  # colocated: same host, bytes through /dev/shm
@@ -89,7 +108,7 @@ class SGLangKind(EngineKind):
     pause_mode = "retract"
 
     def command(self, args, rank, host, port):
-        return sglang_command(args, rank, host, port)
+        return sglang_command(args, rank, host, port, dtype=self.serve_dtype(args))
 
     def check(self, args):
         check_sglang_args(args)
@@ -112,11 +131,18 @@ class VllmKind(EngineKind):
     name = "vllm"
 
     def command(self, args, rank, host, port):
-        return vllm_command(args, rank, host, port)
+        return vllm_command(args, rank, host, port, dtype=self.serve_dtype(args))
 
     def launch_command(self, args, rank, host, port, master_addresses):
         # the adapter's own flags come before the `--` that starts vLLM's command
-        return vllm_command(args, rank, host, port, access=self.access_flags(args, master_addresses))
+        return vllm_command(args, rank, host, port, access=self.access_flags(args, master_addresses),
+                            dtype=self.serve_dtype(args))
+
+    def own_args(self, args):
+        return args.vllm_args
+
+    def default_dtype(self, args):
+        return checkpoint_dtype(args.hf_checkpoint)  # vLLM's CPU backend would downcast float32 otherwise
 
     def check(self, args):
         check_vllm_args(args)  # the venv exists, no --vllm-* flag overrides a managed one

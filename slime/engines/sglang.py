@@ -123,8 +123,10 @@ def _ray_gpu_context() -> tuple[int | None, list]:
         return None, []
 
 
-def sglang_command(args, rank: int, host: str, port: int, parser: argparse.ArgumentParser | None = None) -> list[str]:
-    """Command line of SGLang engine `rank` serving on host:port.
+def sglang_command(args, rank: int, host: str, port: int, parser: argparse.ArgumentParser | None = None,
+                   dtype: str | None = None) -> list[str]:
+    """Command line of SGLang engine `rank` serving on host:port (in `dtype` unless `--sglang-dtype`
+    says; None: SGLang's own choice).
 
     Checked by parsing it with the installed SGLang's own parser (so a bad value, e.g.
     `--sglang-mem-fraction-static abc` or an unknown `--sglang-attention-backend`, fails here,
@@ -145,6 +147,8 @@ def sglang_command(args, rank: int, host: str, port: int, parser: argparse.Argum
     ]
     if "random_seed" not in user_dests:
         cmd += ["--random-seed", str(args.seed + rank)]
+    if dtype is not None and "dtype" not in user_dests:
+        cmd += ["--dtype", dtype]
     cmd += user
     try:
         parser.parse_args(cmd[3:])

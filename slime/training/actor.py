@@ -47,6 +47,7 @@ from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_sta
 from slime.algorithms.losses import (
     POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
+from slime.engines.kinds import engine_kind
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
@@ -494,12 +495,21 @@ class TrainActor:
         """Push the weights to `engine_urls` through this run's transport (`--update-weights-mode`,
         slime/training/weight_sync/). Collective."""
         self._transport.connect(engine_urls)
-        return self._transport.push(self.backend.named_weights(), weight_version)
+        return self._transport.push(self._engine_weights(), weight_version)
 
     @resident
     def check_weights(self, engine_urls: list[str]) -> int:
-        """Collective: rank 0 checks that every engine serves exactly this rank's full weights."""
-        return check_engine_weights(self.backend.named_weights(), engine_urls, check=self.rank == 0)
+        """Collective: rank 0 checks that every engine serves exactly this rank's full weights (in
+        the engines' dtype)."""
+        return check_engine_weights(self._engine_weights(), engine_urls, check=self.rank == 0)
+
+    def _engine_weights(self):
+        """The full weights as the engines serve them: cast to their dtype (`--bf16` or their
+        `--*-dtype`: a bf16 engine gets half the bytes of an fp32 trainer's push)."""
+        name = engine_kind(self.args).serve_dtype(self.args) or ("bfloat16" if self.args.bf16 else "float32")
+        dtype = getattr(torch, name)
+        for key, tensor in self.backend.named_weights():
+            yield key, (tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor)
 
     # ------------------------------------------------------------ colocated memory handoff
 

@@ -46,9 +46,10 @@ NATIVE_PASS_THROUGH = PassThrough("--sglang-", "the native engine", options=opti
                                   strict=False)
 
 
-def native_command(args, rank: int, host: str, port: int) -> list[str]:
-    """Command line of the embedded engine for engine `rank`; the `--sglang-*` flags it shares with
-    SGLang's server come last and override slime's defaults (argparse keeps the last value)."""
+def native_command(args, rank: int, host: str, port: int, dtype: str = "float32") -> list[str]:
+    """Command line of the embedded engine for engine `rank` serving in `dtype`; the `--sglang-*`
+    flags it shares with SGLang's server come last and override slime's defaults (argparse keeps
+    the last value)."""
     extra, _ = NATIVE_PASS_THROUGH.forward(args.sglang_args)
     return [
         sys.executable, "-m", "slime.engines.native",
@@ -57,5 +58,6 @@ def native_command(args, rank: int, host: str, port: int) -> list[str]:
         "--port", str(port),
         "--num-threads", str(cpu_threads(args, "rollout")),
         "--random-seed", str(args.seed + rank),
+        "--dtype", dtype,
         *extra,
     ]

@@ -131,11 +131,14 @@ def check_vllm_args(args) -> None:
     forwarded_vllm_flags(args.vllm_args)
 
 
-def vllm_command(args, rank: int, host: str, port: int, access: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Command line of engine `rank` for `--rollout-backend vllm` (used by the launcher)."""
-    if args.rollout_num_gpus_per_engine != 1 and "tensor_parallel_size" not in args.vllm_args:
-        vllm_args = dict(args.vllm_args, tensor_parallel_size=str(args.rollout_num_gpus_per_engine))
-    else:
-        vllm_args = args.vllm_args
+def vllm_command(args, rank: int, host: str, port: int, access: list[str] | tuple[str, ...] = (),
+                 dtype: str | None = None) -> list[str]:
+    """Command line of engine `rank` for `--rollout-backend vllm` (used by the launcher), serving in
+    `dtype` (None: vllm_server_command's default)."""
+    vllm_args = dict(args.vllm_args)
+    if args.rollout_num_gpus_per_engine != 1 and "tensor_parallel_size" not in vllm_args:
+        vllm_args["tensor_parallel_size"] = str(args.rollout_num_gpus_per_engine)
+    if dtype is not None and "dtype" not in vllm_args:
+        vllm_args["dtype"] = dtype
     return adapter_command(args.hf_checkpoint, host, port, args.seed + rank, vllm_args,
                            startup_timeout=args.engine_startup_timeout, access=access)

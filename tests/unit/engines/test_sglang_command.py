@@ -48,6 +48,7 @@ def _captured_add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--weight-version", type=str, default="default")
     a("--uvicorn-access-log-exclude-prefixes", type=str, nargs="*", default=None)
     a("--api-key", type=str, default=None)
+    a("--dtype", type=str, default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
 
 
 @pytest.fixture
@@ -246,3 +247,28 @@ def test_engine_server_launches_the_sglang_command(tiny_model_dir, data_file, tm
         for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
             del sys.modules[name]  # the stand-in package must not outlive this test
     assert proc.poll() is not None and (tmp_path / "out" / "logs" / "engine_0.log").is_file()
+
+
+def test_engines_serve_the_dtype_asked_for(tiny_model_dir, data_file, fake_sglang):
+    """--bf16 makes every kind serve bf16 unless its own --*-dtype says otherwise; without it the
+    native engine serves the trainer's float32, vLLM the checkpoint's dtype, SGLang its own choice;
+    weights are pushed in that dtype (TrainActor._engine_weights)."""
+    from slime.engines.kinds import KINDS
+    from slime.engines.native.cli import native_command
+
+    def dtypes(*flags):
+        args = _args(tiny_model_dir, data_file, *flags)
+        return {name: kind.serve_dtype(args) for name, kind in KINDS.items()}, args
+
+    plain, args = dtypes()
+    assert plain == {"native": "float32", "sglang": None, "vllm": "float32"}  # the tiny checkpoint is float32
+    assert "--dtype" not in sglang_command(args, 0, "127.0.0.1", 30000)
+    bf16, args = dtypes("--bf16")
+    assert bf16 == {"native": "bfloat16", "sglang": "bfloat16", "vllm": "bfloat16"}
+    cmd = native_command(args, 0, "127.0.0.1", 30000, bf16["native"])
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    cmd = sglang_command(args, 0, "127.0.0.1", 30000, dtype="bfloat16")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    asked, args = dtypes("--bf16", "--sglang-dtype", "float16", "--vllm-dtype", "float32")
+    assert asked == {"native": "float16", "sglang": "float16", "vllm": "float32"}
+    assert dtypes("--sglang-dtype", "auto")[0]["sglang"] is None
