@@ -122,12 +122,19 @@ class FSDPBackend(StepTail):
         # gradients reduced in fp32), so even one rank trains through FSDP2 then
         self.mixed_precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                                 if args.bf16 else MixedPrecisionPolicy())
-        self.sharded = world_size > 1 or args.bf16
+        # --optimizer-cpu-offload on a GPU: parameters (the fp32 master copy), gradients and AdamW
+        # state live in pinned host memory and the optimizer steps there (FSDP2's CPU offload)
+        offload = args.optimizer_cpu_offload and self.device.type == "cuda"
+        if args.optimizer_cpu_offload and not offload and rank == 0:
+            logger.info("--optimizer-cpu-offload: this run trains on the CPU, where the optimizer state already "
+                        "is; nothing changes")
+        self.sharded = world_size > 1 or args.bf16 or offload
         if self.sharded:
             mesh = init_device_mesh(self.device.type, (world_size,))
+            policy = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
             for layer in _decoder_layers(model):
-                fully_shard(layer, mesh=mesh, mp_policy=self.mixed_precision)
-            fully_shard(model, mesh=mesh, mp_policy=self.mixed_precision)
+                fully_shard(layer, mesh=mesh, mp_policy=self.mixed_precision, offload_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=self.mixed_precision, offload_policy=policy)
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
