@@ -1,0 +1,124 @@
+"""Peak memory and step time of one train rank with each memory feature of the trainer off and on.
+
+    python benchmarks/train_memory.py [--samples 64] [--tokens 180] [--model DIR] [--threads 2]
+
+One GRPO micro-batch of `--samples` samples of about `--tokens` tokens (prompt 60, response the
+rest), KL loss on (so a reference model exists), one optimizer step of SmolLM2-135M-Instruct
+(converted once into ~/.cache/slime, see slime/utils/pretrained.py; `--model` for another
+directory) on the FSDP backend, one rank. Each configuration runs in its own process; its peak
+RSS (ru_maxrss: on a CPU the host copy of everything counts) and the time of the step (policy
+forward for the old and reference log-probs, then forward + backward + AdamW) are printed as a
+table:
+
+- base: fp32, full logits (`--log-probs-chunk-size 0`), no recompute;
+- each feature alone: `--bf16`, `--gradient-checkpointing`, chunked log-probs
+  (`--log-probs-chunk-size 1024`), `--optimizer-cpu-offload` (a no-op on a CPU);
+- all of them on (the defaults of this build plus `--bf16 --gradient-checkpointing`).
+
+The reference model is sharded like the policy; with one CPU rank that is one plain copy, so it
+has no row of its own here. The learning-rate schedule changes no memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {
+    "base (fp32, full logits)": ["--log-probs-chunk-size", "0"],
+    "--bf16": ["--log-probs-chunk-size", "0", "--bf16"],
+    "--gradient-checkpointing": ["--log-probs-chunk-size", "0", "--gradient-checkpointing"],
+    "chunked log-probs (1024)": ["--log-probs-chunk-size", "1024"],
+    "--optimizer-cpu-offload": ["--log-probs-chunk-size", "0", "--optimizer-cpu-offload"],
+    "all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--optimizer-cpu-offload"],
+}
+
+
+def _batch(n: int, tokens: int, vocab: int):
+    from slime.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompt = min(60, tokens // 3)
+    toks, lengths = [], []
+    for _ in range(n):
+        r = tokens - prompt + int(torch.randint(-10, 11, (1,), generator=g))
+        toks.append(torch.randint(5, vocab, (prompt + r,), generator=g).tolist())
+        lengths.append(r)
+    rewards = torch.randn(n, generator=g).tolist()
+    return RolloutBatch(tokens=toks, response_lengths=lengths, loss_masks=[[1] * r for r in lengths], rewards=rewards,
+                        raw_rewards=list(rewards), rollout_log_probs=[[0.0] * r for r in lengths],
+                        group_indices=[i // 8 for i in range(n)])
+
+
+def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str]) -> dict:
+    from transformers import AutoConfig
+
+    from slime.arguments import parse_args
+    from slime.training.actor import TrainActor
+    from slime.utils.net import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="slime-mem-"))
+    (tmp / "prompts.jsonl").write_text('{"input": "x"}\n')
+    args = parse_args(["--hf-checkpoint", model, "--prompt-data", str(tmp / "prompts.jsonl"), "--num-rollout", "1",
+                       "--rollout-batch-size", str(samples // 8), "--n-samples-per-prompt", "8",
+                       "--global-batch-size", str(samples), "--micro-batch-size", str(samples),
+                       "--use-kl-loss", "--kl-loss-coef", "0.01", "--rollout-temperature", "1.0",
+                       "--output-dir", str(tmp / "out"), *flags])
+    actor = TrainActor(args, rank=0, world_size=1, master_port=free_port())
+    actor.init()
+    torch.set_num_threads(threads)
+    batch = _batch(samples, tokens, AutoConfig.from_pretrained(model).vocab_size)
+    t0 = time.perf_counter()
+    metrics = actor.train(0, batch)
+    seconds = time.perf_counter() - t0
+    actor.shutdown()
+    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
+            "loss": metrics["train/loss"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=180)
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None, help="also write one JSON line per configuration here")
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.only is not None:
+        print(json.dumps(run_one(a.model, a.samples, a.tokens, a.threads, CONFIGS[a.only])))
+        return
+    if a.model is None:
+        from slime.utils.pretrained import smollm2_135m_instruct
+
+        a.model = str(smollm2_135m_instruct())
+    print(f"one GRPO step, {a.samples} samples x ~{a.tokens} tokens, KL loss on, {Path(a.model).name}, one rank, "
+          f"{a.threads} threads")
+    print("| configuration | peak RSS | step time |")
+    print("|---|---|---|")
+    for name in CONFIGS:
+        out = subprocess.run([sys.executable, __file__, f"--only={name}", "--model", a.model, "--samples",
+                              str(a.samples), "--tokens", str(a.tokens), "--threads", str(a.threads)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"| {name} | failed: {out.stderr.strip().splitlines()[-1][:120]} | |", flush=True)
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['seconds']:.1f} s |", flush=True)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"config": name, **r}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
