@@ -113,4 +113,4 @@ def test_bf16_trains_and_pushes_half_the_bytes(task, reference_run, tmp_path):
     bf16, fp32 = records(out), records(reference_run["out"])
     assert [r["weights/bytes"] for r in bf16] == [fp32[0]["weights/bytes"] / 2] * 2
     assert all(0 < r["train/train_rollout_logprob_abs_diff"] < 5e-3 for r in bf16)  # bf16 trainer vs bf16 engine
-    assert all(r["train/grad_norm"] > 0 for r in bf16)
+    assert any(r["train/grad_norm"] > 0 for r in bf16)  # it trained (a group of equal rewards has none)
