@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write one JSON line per configuration here")
+    p.add_argument("--configs", default=None, help="comma-separated names of CONFIGS to run (default: all)")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.only is not None:
@@ -106,12 +107,14 @@ def main() -> None:
           f"{a.threads} threads")
     print("| configuration | peak RSS | step time |")
     print("|---|---|---|")
-    for name in CONFIGS:
+    for name in (a.configs.split(",") if a.configs else CONFIGS):
         out = subprocess.run([sys.executable, __file__, f"--only={name}", "--model", a.model, "--samples",
                               str(a.samples), "--tokens", str(a.tokens), "--threads", str(a.threads)],
                              capture_output=True, text=True)
         if out.returncode != 0:
-            print(f"| {name} | failed: {out.stderr.strip().splitlines()[-1][:120]} | |", flush=True)
+            why = ("killed (out of memory)" if out.returncode == -9 else
+                   f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
+            print(f"| {name} | {why} | |", flush=True)
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['seconds']:.1f} s |", flush=True)
