@@ -8,6 +8,7 @@ run in live in `slime.arguments`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -267,3 +268,35 @@ def validate_debug(args: Args) -> None:
         require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
         require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
         args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
+
+
+def check_ref_load(args: Args) -> None:
+    """--ref-load: a Hugging Face model directory whose vocabulary is the policy's."""
+    ref = Path(args.ref_load)
+    require(ref.is_dir(), f"--ref-load: directory {args.ref_load} does not exist")
+    require((ref / "config.json").is_file(), f"--ref-load: {args.ref_load} has no config.json (a Hugging Face "
+                                             "model directory is expected)")
+    vocab = [_vocab_size(d / "config.json") for d in (Path(args.hf_checkpoint), ref)]
+    require(vocab[0] == vocab[1], f"--ref-load {args.ref_load}: vocabulary of {vocab[1]} tokens, but --hf-checkpoint "
+                                  f"{args.hf_checkpoint} has {vocab[0]}; the reference must score the same tokens")
+
+
+def _vocab_size(config: Path) -> int | None:
+    cfg = json.loads(config.read_text())
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
+def validate_lr_schedule(args: Args) -> None:
+    """The learning-rate flags (slime.training.lr_schedule), once the run's length is known."""
+    require(args.min_lr >= 0 and args.lr_warmup_init >= 0, "--min-lr and --lr-warmup-init must be >= 0")
+    require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+            "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    require(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1,
+            f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    require(args.lr_decay_iters is None or args.lr_decay_iters >= 1,
+            f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}")
+    decay = args.lr_decay_iters or args.num_rollout * args.num_steps_per_rollout
+    require(args.lr_warmup_iters <= decay, f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the "
+                                           f"{decay} optimizer steps of the decay (--lr-decay-iters)")
