@@ -125,10 +125,14 @@ def test_bf16_trains_and_pushes_half_the_bytes(task, reference_run, tmp_path):
     half the fp32 reference run's bytes and is checked bit for bit in the engine's dtype; the
     train-vs-rollout log-prob gap stays logged (and small) and TIS runs on it."""
     out = tmp_path / "out"
+    reward = tmp_path / "reward.py"  # a reward that varies within a group, so every rollout trains
+    reward.write_text("def reward(args, sample):\n    text = sample.response or ''\n"
+                      "    return sum(c.isdigit() for c in text) / max(1, len(text))\n")
     proc = run(shape_cmd(task, out, "--seed", "7", "--num-rollout", "2", "--bf16", "--use-tis",
-                         "--check-weight-update-equal"))
+                         "--check-weight-update-equal", "--custom-rm-path", f"{reward}:reward",
+                         "--rollout-max-response-len", "8"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     bf16, fp32 = records(out), records(reference_run["out"])
     assert [r["weights/bytes"] for r in bf16] == [fp32[0]["weights/bytes"] / 2] * 2
     assert all(0 < r["train/train_rollout_logprob_abs_diff"] < 5e-3 for r in bf16)  # bf16 trainer vs bf16 engine
-    assert any(r["train/grad_norm"] > 0 for r in bf16)  # it trained (a group of equal rewards has none)
+    assert all(r["train/grad_norm"] > 0 for r in bf16)
