@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -508,6 +509,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no vLLM server command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    # the adapter's own port is bound now, not after vLLM's minutes of start-up (another process
+    # could take it meanwhile); it listens once the app is up
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((a.host, a.port))
+    except OSError as e:
+        logger.error("cannot serve on %s:%d: %s", a.host, a.port, e)
+        return 1
     # vLLM serves on a Unix socket in a directory of this user only: its routes (dev-mode ones
     # included) have no key, so no other process may reach them; the adapter is the way in
     sock_dir = tempfile.mkdtemp(prefix="slime-vllm-")
@@ -544,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     async def _serve():
         runner = web.AppRunner(create_app(state, access))
         await runner.setup()
-        await web.TCPSite(runner, a.host, a.port).start()
+        await web.SockSite(runner, listener).start()
         try:
             while proc.poll() is None:  # the adapter lives as long as vLLM does
                 await asyncio.sleep(1.0)
