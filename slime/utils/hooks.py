@@ -4,6 +4,9 @@ A path is `package.module.function` (importable from `sys.path`, e.g. the workin
 directory or `PYTHONPATH`) or `path/to/file.py:function`. Every failure is a
 `SlimeConfigError` whose message names the flag and the path. Signatures of every
 hook are documented in docs/algorithms.md.
+
+Original slime's own built-ins (`slime.rollout.filter_hub...`, `slime.rollout.sft_rollout...`, as
+its launch scripts pass them) resolve through the alias table of `slime.utils.slime_paths` first.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from typing import Callable
 
+from slime.utils import slime_paths
 from slime.utils.errors import SlimeConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def _import_file(path: Path, flag: str, spec_text: str):
@@ -40,6 +47,13 @@ def load_function(path: str, flag: str = "--custom-function-path") -> Callable:
     """Return the callable at `path`; `flag` names the option in error messages. Cached per path."""
     if not path or not isinstance(path, str):
         raise SlimeConfigError(f"{flag}: empty function path")
+    alias = slime_paths.resolve(path, flag)
+    if alias is not None:
+        target, entry = alias
+        logger.info("%s %s: original slime's path, resolved to %s", flag, path, target)
+        if entry.note:
+            logger.warning("%s %s: %s", flag, path, entry.note)
+        return load_function(target, flag)
     if ":" in path:
         file_part, _, attr = path.rpartition(":")
         file = Path(file_part)
@@ -53,7 +67,10 @@ def load_function(path: str, flag: str = "--custom-function-path") -> Callable:
         try:
             module = importlib.import_module(module_name)
         except Exception as e:
-            raise SlimeConfigError(f"{flag} {path}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+            hint = (" (an original slime path with no equivalent here: see docs/coming_from_slime.md)"
+                    if isinstance(e, ModuleNotFoundError) and (e.name or "").startswith("slime.") else "")
+            raise SlimeConfigError(f"{flag} {path}: cannot import module {module_name!r}: "
+                                   f"{type(e).__name__}: {e}{hint}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise SlimeConfigError(f"{flag} {path}: module has no attribute {attr!r}")

@@ -4,20 +4,30 @@ user's `--custom-rm-path` (per sample, or per group with `--group-rm`).
 Every reward is called the same way, through `RewardFunction`:
 - per sample: `[async] fn(args, sample) -> float | dict`
 - per group (`--group-rm`): `[async] fn(args, samples) -> list[float | dict]`
-A sync function runs in a worker thread. The built-ins `fn(response, label) -> float` (math,
-exact) are wrapped to that signature. Failures (raise, timeout, NaN) are handled by
-`slime.rollout.generate.score`: the sample is marked FAILED, counted and kept out of the loss.
+A sync function runs in a worker thread. The rule-based built-ins `fn(response, label) -> float`
+(`REWARD_FUNCTIONS`; gpqa also takes the sample's metadata) are wrapped to that signature; a
+`boxed_` prefix on their names grades only the response's last `\\boxed{}` content. The accepted
+and refused names are in `slime.rollout.rewards.names`. Failures (raise, timeout, NaN) are handled
+by `slime.rollout.generate.score`: the sample is marked FAILED, counted and kept out of the loss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import random
 from typing import Callable
 
+from slime.rollout.rewards.dapo import dapo_reward
+from slime.rollout.rewards.deepscaler import deepscaler_reward, last_boxed
+from slime.rollout.rewards.f1 import f1_reward
+from slime.rollout.rewards.gpqa import gpqa_reward
 from slime.rollout.rewards.math import math_reward
+from slime.rollout.rewards.names import BOXED_PREFIX, UNAVAILABLE_RM_TYPES, unavailable_message
 from slime.rollout.rewards.reasoning_gym import reasoning_gym_reward
 from slime.rollout.rewards.remote import RemoteReward
+from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 
 
@@ -26,19 +36,43 @@ def exact_reward(response: str, label) -> float:
     return 1.0 if response.strip() == str(label).strip() else 0.0
 
 
-# rm-type -> fn(response, label) -> float
-REWARD_FUNCTIONS: dict[str, Callable[[str, object], float]] = {
+def random_reward(response: str, label) -> float:
+    """1.0 or 0.0 at random, whatever the response (original slime's `random`: a pipeline check)."""
+    return float(random.randint(0, 1))
+
+
+# rm-type -> fn(response, label[, metadata]) -> float | dict (dapo: {"score", "acc", "pred"})
+REWARD_FUNCTIONS: dict[str, Callable] = {
     "math": math_reward,
     "exact": exact_reward,
+    "deepscaler": deepscaler_reward,
+    "dapo": dapo_reward,
+    "f1": f1_reward,
+    "gpqa": gpqa_reward,
+    "random": random_reward,
 }
 
 
-def get_reward_function(rm_type: str) -> Callable[[str, object], float]:
-    """A built-in `fn(response, label) -> float` by `--rm-type` name."""
-    try:
+def _on_boxed(fn: Callable) -> Callable:
+    @functools.wraps(fn)  # keeps fn's signature (does it take metadata?)
+    def reward(response: str, label, *rest, **kw):
+        return fn(last_boxed(response or "") or "", label, *rest, **kw)
+
+    reward.__name__ = f"boxed_{fn.__name__}"
+    return reward
+
+
+def get_reward_function(rm_type: str) -> Callable:
+    """A built-in `fn(response, label[, metadata])` by `--rm-type` name (`boxed_NAME`: NAME on the
+    response's last boxed answer, "" when there is none). A refused name raises SlimeConfigError."""
+    if rm_type in UNAVAILABLE_RM_TYPES:
+        raise SlimeConfigError(unavailable_message(rm_type))
+    if rm_type in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[rm_type]
-    except KeyError:
-        raise ValueError(f"unknown --rm-type {rm_type!r}; choose from {sorted(REWARD_FUNCTIONS)}") from None
+    if rm_type.startswith(BOXED_PREFIX) and rm_type[len(BOXED_PREFIX):] in REWARD_FUNCTIONS:
+        return _on_boxed(REWARD_FUNCTIONS[rm_type[len(BOXED_PREFIX):]])
+    raise ValueError(f"unknown --rm-type {rm_type!r}; choose from {sorted(REWARD_FUNCTIONS)} "
+                     f"(each also as {BOXED_PREFIX}NAME)")
 
 
 class RewardFunction:
@@ -58,9 +92,13 @@ class RewardFunction:
         return out
 
 
-def _on_response(fn: Callable[[str, object], float]) -> Callable:
-    def reward(args, sample):
-        return fn(sample.response, sample.label)
+def _on_response(fn: Callable) -> Callable:
+    if "metadata" in inspect.signature(fn).parameters:
+        def reward(args, sample):
+            return fn(sample.response, sample.label, metadata=sample.metadata)
+    else:
+        def reward(args, sample):
+            return fn(sample.response, sample.label)
 
     reward.__name__ = fn.__name__
     return reward

