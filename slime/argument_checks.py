@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
+from transformers import AutoConfig
 
+from slime import model_flags, script_flags
 from slime.engines.kinds import engine_kind
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
@@ -221,7 +223,7 @@ def validate_recompute(args: Args) -> None:
 
 
 def validate_megatron(args: Args) -> None:
-    """Megatron's parallel sizes: only with --train-backend megatron, their product divides the train ranks;
+    """Megatron's parallel sizes with --train-backend megatron: their product divides the train ranks;
     what the CPU (gloo) build cannot run is refused here with what it needs."""
     sizes = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
              "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
@@ -229,9 +231,7 @@ def validate_megatron(args: Args) -> None:
     for flag, n in sizes.items():
         require(n >= 1, f"{flag} must be >= 1, got {n}")
     if args.train_backend != "megatron":
-        used = [f for f, n in sizes.items() if n != 1] + (["--sequence-parallel"] if args.sequence_parallel else [])
-        require(not used, f"{', '.join(used)} need --train-backend megatron")
-        return
+        return  # checked against the model and logged by validate_script_flags (fsdp shards everything)
     tp, pp, cp = sizes.values()
     require(args.dp_size % (tp * pp * cp) == 0,
             f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
@@ -300,3 +300,70 @@ def validate_lr_schedule(args: Args) -> None:
     decay = args.lr_decay_iters or args.num_rollout * args.num_steps_per_rollout
     require(args.lr_warmup_iters <= decay, f"--lr-warmup-iters {args.lr_warmup_iters} is longer than the "
                                            f"{decay} optimizer steps of the decay (--lr-decay-iters)")
+
+
+def hf_config(path: str):
+    """The Hugging Face config of a checkpoint directory (transformers' AutoConfig), or a one-line error."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # an unknown model type, a malformed config.json
+        raise SlimeConfigError(f"--hf-checkpoint {path}: transformers cannot read its config.json "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def validate_script_flags(args: Args) -> None:
+    """The flags of slime's launch scripts: Megatron architecture flags against the checkpoint's config
+    (slime.model_flags), the other Megatron-LM and slime flags by their rules (slime.script_flags), and
+    Megatron's parallel sizes on the fsdp backend. Derives `attn_implementation`. The config is read
+    only when one of these flags is given."""
+    args.attn_implementation = script_flags.attention_implementation(args)
+    args.start_up_notes = []  # printed by the driver at start-up
+    sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+             args.expert_model_parallel_size)
+    given = [f for f in script_flags.FLAGS if script_flags._given(f, args)]
+    if not (model_flags.given(args) or given or args.rollout_max_context_len or max(sizes) > 1
+            or args.sequence_parallel):
+        return
+    config = hf_config(args.hf_checkpoint)
+    text = getattr(config, "text_config", None) or config
+    moe = bool(model_flags.architecture_of(text).get("num_experts"))
+    errors, args.start_up_notes = script_flags.check_script_flags(args, moe)
+    errors = model_flags.architecture_mismatches(args, text) + errors
+    if args.train_backend == "fsdp":
+        errors += _fsdp_parallel_sizes(args, text)
+    limit = getattr(text, "max_position_embeddings", None)
+    if args.rollout_max_context_len is not None:
+        if args.rollout_max_context_len < 1:
+            errors.append(f"--rollout-max-context-len must be >= 1, got {args.rollout_max_context_len}")
+        elif limit and args.rollout_max_context_len > limit:
+            errors.append(f"--rollout-max-context-len {args.rollout_max_context_len} is above the model's "
+                          f"max_position_embeddings {limit}")
+    if errors:
+        more = f" (and {len(errors) - 1} more: {'; '.join(errors[1:])})" if len(errors) > 1 else ""
+        raise SlimeConfigError(errors[0] + more)
+
+
+def _fsdp_parallel_sizes(args: Args, config) -> list[str]:
+    """Megatron's model-parallel sizes with --train-backend fsdp: checked as megatron checks them (they
+    must split the heads, layers and ranks), then fsdp shards every parameter over all train ranks
+    instead of splitting layers (a start-up note). Returns the error lines."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    errors = []
+    if args.dp_size % (tp * pp * cp):
+        errors.append(f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size "
+                      f"({tp} x {pp} x {cp}) must divide the {args.dp_size} train ranks")
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % tp or kv % tp:
+        errors.append(f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
+                      f"{kv} key/value heads")
+    if config.num_hidden_layers < pp:
+        errors.append(f"--pipeline-model-parallel-size {pp} is more than the model's {config.num_hidden_layers} layers")
+    if args.sequence_parallel and tp == 1:
+        errors.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if not errors and (tp * pp * cp > 1 or args.sequence_parallel or args.expert_model_parallel_size > 1):
+        args.start_up_notes.append(
+            f"--train-backend fsdp: megatron's layout (TP {tp}, PP {pp}, CP {cp}, EP {args.expert_model_parallel_size}"
+            f"{', sequence parallel' if args.sequence_parallel else ''}) is checked; FSDP shards every parameter, "
+            f"gradient and optimizer state over all {args.dp_size} train ranks instead (--train-backend megatron "
+            "for megatron's layout)")
+    return errors

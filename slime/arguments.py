@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import difflib
 import secrets
 import sys
 from pathlib import Path
@@ -33,11 +32,16 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_lr_schedule,
     validate_megatron,
     validate_recompute,
+    validate_script_flags,
 )
 from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES
+from slime.model_flags import add_model_flags
+from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
+from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through
+from slime.utils.reward_names import RM_TYPES, UNAVAILABLE_RM_TYPES, unavailable_message
 
 SGLANG_PREFIX = "--sglang-"
 VLLM_PREFIX = "--vllm-"
@@ -47,7 +51,6 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 TIS_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-RM_TYPES = ("math", "exact", "reasoning_gym", "remote_rm")
 
 
 class Args(argparse.Namespace):
@@ -138,14 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--rollout-max-response-len", type=int, default=1024)
+    g.add_argument("--rollout-max-context-len", type=int, default=None,
+                   help="most tokens of prompt + response: each request's max_new_tokens is cut to fit")
     g.add_argument("--rollout-max-prompt-len", type=int, default=None,
                    help="prompts longer than this (in tokens) are dropped, with a counted warning")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
-    g.add_argument("--rm-type", choices=RM_TYPES, default=None,
+    g.add_argument("--rm-type", choices=RM_TYPES + tuple(UNAVAILABLE_RM_TYPES), default=None,
                    help="math (default): math-verify equivalence of the final answer; exact: stripped string "
                         "equality; reasoning_gym: the task's own verifier (metadata from "
-                        "slime.data.reasoning_gym); remote_rm: POST to --rm-url (the default when it is given)")
+                        "slime.data.reasoning_gym); remote_rm: POST to --rm-url (the default when it is given); "
+                        "slime's names deepscaler, dapo, f1, gpqa, random and boxed_* (docs/coming_from_slime.md)")
     g.add_argument("--rm-url", default=None, help="a remote reward service: POST {prompt, response, label, "
                    "metadata} -> a number or a dict (docs/custom_rollout.md)")
     g.add_argument("--rm-timeout", type=float, default=60.0,
@@ -384,45 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-run-name", default=None, help="default: the output folder's name")
     g.add_argument("--wandb-mode", choices=("online", "offline"), default=None,
                    help="default: $WANDB_MODE, else online; offline writes runs under <output-dir>/wandb for `wandb sync`")
+    g.add_argument("--wandb-key", default=None, help="W&B API key (default: $WANDB_API_KEY or `wandb login`)")
+    g.add_argument("--wandb-team", default=None, help="W&B entity (team or user) the run is logged under")
+    g.add_argument("--wandb-host", default=None, help="W&B server URL (default: https://api.wandb.ai)")
+    add_model_flags(p)
+    add_script_flags(p)
     return p
-
-
-def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
-    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-
-
-def _check_unknown_flags(argv: list[str], parser: argparse.ArgumentParser) -> None:
-    """Every `--flag` must be known or `--sglang-*`/`--vllm-*`; an unknown one suggests the closest known flag."""
-    known = set(_known_flags(parser))
-    for tok in argv:
-        name = tok.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2 and name not in known and not name.startswith(PASS_THROUGH_PREFIXES):
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise SlimeConfigError(f"unknown flag {name}{hint}")
-
-
-def _collect_pass_through(extra: list[str]) -> dict[str, dict[str, object]]:
-    """`--sglang-foo-bar V` -> {"--sglang-": {"foo_bar": "V"}} (likewise `--vllm-*`); a flag with no
-    value -> True."""
-    out: dict[str, dict[str, object]] = {prefix: {} for prefix in PASS_THROUGH_PREFIXES}
-    i = 0
-    while i < len(extra):
-        tok = extra[i]
-        prefix = next((p for p in PASS_THROUGH_PREFIXES if tok.startswith(p)), None)
-        if prefix is None:
-            raise SlimeConfigError(f"unexpected argument {tok!r}")
-        key, eq, value = tok[len(prefix) :].partition("=")
-        key = key.replace("-", "_")
-        if eq:
-            out[prefix][key] = value
-        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
-            out[prefix][key] = extra[i + 1]
-            i += 1
-        else:
-            out[prefix][key] = True
-        i += 1
-    return out
 
 
 def _parse_eval_sets(values: list[str] | None) -> dict[str, str]:
@@ -468,6 +441,9 @@ def validate(args: Args) -> Args:
     require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
     if args.ref_load is not None:
         check_ref_load(args)
+    validate_script_flags(args)  # architecture flags against config.json; Megatron/slime script flags
+    if args.rm_type in UNAVAILABLE_RM_TYPES:
+        raise SlimeConfigError(unavailable_message(args.rm_type))
     require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
     if args.prompt_data is not None:
@@ -570,14 +546,21 @@ def _data_file(spec: str) -> Path:
     return split_slice(spec)[0]
 
 
+def parse_flags(argv: list[str] | None = None) -> Args:
+    """Parse the command line without validating it (no file is read): what a launch script's flags
+    mean to slime. `parse_args` validates the result."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    check_unknown_flags(argv, parser, PASS_THROUGH_PREFIXES)
+    args, extra = parser.parse_known_args(argv, namespace=Args())
+    passed = collect_pass_through(extra, PASS_THROUGH_PREFIXES, argv)
+    args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
+    return args
+
+
 def parse_args(argv: list[str] | None = None, overlap_training: bool = False) -> Args:
     """Parse and validate the flags. `overlap_training`: the driver generates while it trains
     (train_async.py), which decides how the two share this machine's CPUs (`cpu_threads`)."""
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    _check_unknown_flags(argv, parser)
-    args, extra = parser.parse_known_args(argv, namespace=Args())
+    args = parse_flags(argv)
     args.overlap_training = overlap_training
-    passed = _collect_pass_through(extra)
-    args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
     return validate(args)

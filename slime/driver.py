@@ -56,6 +56,8 @@ class Run:
         print(f"slime: {len(self.engine_urls)} engine(s) at {', '.join(self.engine_urls) or '-'}; "
               f"{args.dp_size} train rank(s) on {nodes}{'; colocated' if args.colocate else ''}; weights by "
               f"{args.update_weights_mode}; metrics in {self.logger.path}")
+        for note in getattr(args, "start_up_notes", ()):  # what slime's script flags given mean here (slime.script_flags)
+            print(f"slime: {note}")
 
     def rollout_ids(self):
         args = self.args

@@ -97,7 +97,13 @@ class PassThrough:
             if value is not True:
                 many = action is not None and (action.nargs in ("+", "*") or
                                                (isinstance(action.nargs, int) and action.nargs > 1))
-                argv.extend(str(value).split() if many else [str(value)])
+                if isinstance(value, list):  # several values given (`--sglang-cuda-graph-bs 1 2 4 8`)
+                    if action is not None and not many:
+                        raise SlimeConfigError(f"{self.flag(key)} takes one value, got {len(value)}: "
+                                               f"{' '.join(map(str, value))}")
+                    argv.extend(map(str, value))
+                else:
+                    argv.extend(str(value).split() if many else [str(value)])
             dests.add(dest)
         if skipped:
             logger.warning("the engine ignores %s", ", ".join(skipped))

@@ -31,6 +31,9 @@ class MetricsLogger:
         if wandb_config is not None:
             import wandb  # optional: only with --use-wandb
 
+            login = wandb_config.pop("login", {})
+            if login.get("key") or login.get("host"):  # --wandb-key / --wandb-host
+                wandb.login(key=login.get("key"), host=login.get("host"), relogin=bool(login.get("key")))
             self._wandb = wandb.init(dir=str(self.output_dir), **wandb_config)
 
     @classmethod
@@ -42,11 +45,14 @@ class MetricsLogger:
         wandb_config = None
         if args.use_wandb:
             wandb_config = {
+                "entity": args.wandb_team,
                 "project": args.wandb_project,
                 "group": args.wandb_group,
                 "name": args.wandb_run_name or Path(args.output_dir).name,
                 "mode": args.wandb_mode or os.environ.get("WANDB_MODE", "online"),
-                "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "engine_api_key"},
+                "config": {k: v for k, v in vars(args).items()
+                           if not k.startswith("_") and k not in ("engine_api_key", "wandb_key")},
+                "login": {"key": args.wandb_key, "host": args.wandb_host},
             }
         return cls(args.output_dir, tensorboard=args.use_tensorboard, wandb_config=wandb_config)
 

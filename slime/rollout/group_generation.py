@@ -50,6 +50,11 @@ class GroupRunner:
             if params["max_new_tokens"] <= 0:
                 s.status = SampleStatus.TRUNCATED
                 return [await score(self.reward, args, s)] if not self.reward.group else [s]
+        if args.rollout_max_context_len is not None:  # prompt + response (so far) + new tokens fit the context
+            params["max_new_tokens"] = min(params["max_new_tokens"], args.rollout_max_context_len - len(s.tokens))
+            if params["max_new_tokens"] <= 0:
+                s.status = SampleStatus.TRUNCATED
+                return [await score(self.reward, args, s)] if not self.reward.group else [s]
         launched = self.version_now()
         if launched is not None and (not s.weight_versions or s.weight_versions[-1] != launched):
             s.weight_versions = s.weight_versions + [launched]

@@ -7,18 +7,9 @@ import time
 
 import pytest
 
-from tests.helpers.e2e import REFERENCE_FLAGS, ROOT, driver_env, records, run, shape_cmd
+from tests.helpers.e2e import LP, REFERENCE_FLAGS, ROOT, comparable, driver_env, records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
-
-LP = "train/train_rollout_logprob_abs_diff"
-
-
-def comparable(recs):
-    """Training records keyed by rollout id, without timings and the engine's batch-dependent bits."""
-    return {r["rollout_id"]: {k: v for k, v in r.items() if not k.startswith("perf/") and k != LP}
-            for r in recs if "trained_rollouts" not in r}
-
 
 def test_resumed_run_matches_uninterrupted_run(task, reference_run, tmp_path):
     """Save after rollouts 0 and 1, stop, resume with --load: rollouts 2 and 3 are those of the

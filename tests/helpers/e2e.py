@@ -54,6 +54,15 @@ def records(out_dir):
     return [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
 
 
+LP = "train/train_rollout_logprob_abs_diff"  # depends on which requests share an engine batch
+
+
+def comparable(recs):
+    """Training records keyed by rollout id, without timings and the engine's batch-dependent bits."""
+    return {r["rollout_id"]: {k: v for k, v in r.items() if not k.startswith("perf/") and k != LP}
+            for r in recs if "trained_rollouts" not in r}
+
+
 def make_task(model_dir, work: Path) -> dict:
     """The tiny task (parity of a two-digit number) next to the tiny model: {model, train, eval, work}."""
     from tiny_task import make_tiny_task

@@ -96,7 +96,7 @@ class FSDPBackend(StepTail):
         if value_head:  # PPO critic: the same backbone with a freshly initialized 1-output token head
             try:
                 model = AutoModelForTokenClassification.from_pretrained(
-                    args.hf_checkpoint, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+                    args.hf_checkpoint, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation
                 )
             except ValueError as e:
                 raise ValueError(f"the PPO critic needs a token-classification head for model type "
@@ -104,7 +104,7 @@ class FSDPBackend(StepTail):
             self.hf_config = model.config
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                args.hf_checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+                args.hf_checkpoint, dtype=torch.float32, attn_implementation=args.attn_implementation
             )
         model.eval()
         if self.device.type == "cuda":
@@ -167,7 +167,8 @@ class FSDPBackend(StepTail):
         """The frozen KL reference. Sharded like the policy (each rank holds 1/N of it; a forward
         gathers one layer at a time); on a GPU it also stays in host memory and comes to the device
         layer by layer, only for the reference forward (FSDP2's CPU offload)."""
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                   attn_implementation=self.args.attn_implementation)
         ref.eval()
         ref.requires_grad_(False)
         if not self.sharded and self.device.type != "cuda":

@@ -144,6 +144,7 @@ class MegatronBackend(StepTail):
         args = self.args
         with shims.cpu_only_cuda_shims():
             model = build_model(self.hf_config, tp=self.tp, sequence_parallel=args.sequence_parallel,
+                                vocab_divisible_by=args.make_vocab_size_divisible_by,
                                 recompute=(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
                                 if recompute else (None, None, None))
         load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)

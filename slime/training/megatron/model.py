@@ -40,10 +40,11 @@ def check_parallel_config(config, tp: int) -> None:
             raise SlimeConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n})")
 
 
-def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32,
+def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32, vocab_divisible_by: int = 128,
                 recompute: tuple[str | None, str | None, int | None] = (None, None, None)):
     """A GPTModel for one tensor-parallel rank (pre- and post-process: no pipeline split).
-    `recompute`: megatron's (recompute_granularity, recompute_method, recompute_num_layers).
+    `recompute`: megatron's (recompute_granularity, recompute_method, recompute_num_layers);
+    `vocab_divisible_by`: --make-vocab-size-divisible-by (the vocabulary is padded to a multiple of it x TP).
 
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank sees full [b, s, V_padded] logits.
@@ -59,7 +60,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     model = GPTModel(
         config=tconf,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab(config, tp),
+        vocab_size=padded_vocab(config, tp, vocab_divisible_by),
         max_sequence_length=config.max_position_embeddings,
         pre_process=True,
         post_process=True,

@@ -80,9 +80,13 @@ def test_megatron_flags_are_validated(tiny_model_dir, tmp_path, extra, message):
         make_args(tiny_model_dir, tmp_path, *BATCH, "--train-backend", "megatron", *extra)
 
 
-def test_megatron_flags_need_the_megatron_backend(tiny_model_dir, tmp_path):
-    with pytest.raises(SlimeConfigError, match="--tensor-model-parallel-size need --train-backend megatron"):
+def test_megatron_layout_on_fsdp_is_checked_like_megatron(tiny_model_dir, tmp_path):
+    # fsdp (the default backend) checks megatron's sizes as megatron would, then shards everything
+    with pytest.raises(SlimeConfigError, match=r"--tensor-model-parallel-size 2 must divide the model's 2 attention "
+                                               r"heads and 1 key/value heads"):
         make_args(tiny_model_dir, tmp_path, *BATCH, "--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2)
+    with pytest.raises(SlimeConfigError, match=r"\(1 x 2 x 1\) must divide the 1 train ranks"):
+        make_args(tiny_model_dir, tmp_path, *BATCH, "--pipeline-model-parallel-size", 2)
     args = make_args(tiny_model_dir, tmp_path, *BATCH, "--train-backend", "megatron", "--tensor-model-parallel-size", 2,
                      "--actor-num-gpus-per-node", 4)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == (2, 1, 1)
