@@ -42,6 +42,7 @@ from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
 from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through
 from slime.utils.reward_names import RM_TYPES, UNAVAILABLE_RM_TYPES, unavailable_message
+from slime.utils.slime_paths import check_args as check_slime_paths
 
 SGLANG_PREFIX = "--sglang-"
 VLLM_PREFIX = "--vllm-"
@@ -452,6 +453,7 @@ def validate(args: Args) -> Args:
     for name, path in args.eval_sets.items():
         require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
     validate_custom_rollout(args)
+    check_slime_paths(args)  # slime's own module paths that need another flag here
     if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
     if args.load is not None:

@@ -168,3 +168,9 @@ def test_an_argparse_error_names_the_flag():
     with pytest.raises(SlimeConfigError, match="argument --normalization: invalid choice"):
         parse_flags(["--hf-checkpoint", "x", "--rollout-batch-size", "1", "--normalization", "BatchNorm"])
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_slimes_sft_rollout_path_needs_the_sft_loss_at_start_up(tiny_model_dir, tmp_path):
+    with pytest.raises(SlimeConfigError, match="^--rollout-function-path slime.rollout.sft_rollout.generate_rollout: "
+                                               "SFT here is --loss-type sft_loss; add it$"):
+        make_args(tiny_model_dir, tmp_path, "--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout")
