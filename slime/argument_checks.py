@@ -320,8 +320,7 @@ def validate_script_flags(args: Args) -> None:
     args.start_up_notes = []  # printed by the driver at start-up
     sizes = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
              args.expert_model_parallel_size)
-    given = [f for f in script_flags.FLAGS if script_flags._given(f, args)]
-    if not (model_flags.given(args) or given or args.rollout_max_context_len or max(sizes) > 1
+    if not (model_flags.given(args) or script_flags.given_flags(args) or args.rollout_max_context_len or max(sizes) > 1
             or args.sequence_parallel):
         return
     config = hf_config(args.hf_checkpoint)

@@ -46,7 +46,7 @@ def _switch(**kw):
 
 
 def _refuse(what: str):
-    return lambda args, value, moe: f"{what}"
+    return lambda args, value, moe: what
 
 
 def _must_be(expected, why: str):
@@ -228,13 +228,16 @@ def _given(f: ScriptFlag, args) -> bool:
     return value not in (None, False) and value != f.kwargs.get("default")
 
 
+def given_flags(args) -> list[ScriptFlag]:
+    """The script flags given a value other than their default."""
+    return [f for f in FLAGS if _given(f, args)]
+
+
 def check_script_flags(args, moe: bool) -> tuple[list[str], list[str]]:
     """(refusal lines, notes) of the flags given: each line names its flag; the notes say why a `stated`
     flag's request holds (the driver prints them at start-up)."""
     errors, stated = [], []
-    for f in FLAGS:
-        if not _given(f, args):
-            continue
+    for f in given_flags(args):
         value = getattr(args, f.dest)
         why = f.rule(args, value, moe) if f.rule else None
         shown = "" if isinstance(value, bool) else f" {value}"

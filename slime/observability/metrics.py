@@ -18,8 +18,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, tensorboard: bool = True, wandb_config: dict | None = None):
-        """`wandb_config`: keyword arguments for `wandb.init` (project, group, name, mode, config),
-        or None for no wandb."""
+        """`wandb_config`: keyword arguments for `wandb.init` (entity, project, group, name, mode, config),
+        plus an optional `login` ({key, host}: `wandb.login` first, from --wandb-key / --wandb-host), or
+        None for no wandb."""
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"

@@ -51,11 +51,13 @@ def check_unknown_flags(argv: list[str], parser: argparse.ArgumentParser, pass_t
 
 
 def _flag_before(tok: str, argv: list[str]) -> str | None:
-    """The flag a stray value `tok` follows in the command line."""
-    for i, t in enumerate(argv):
-        if t == tok:
-            return next((a.split("=", 1)[0] for a in reversed(argv[:i]) if a.startswith("--")), None)
-    return None
+    """The flag a stray value `tok` follows: where `tok` comes right after another value (argparse took
+    that one), else its first place after a flag."""
+    places = [i for i, t in enumerate(argv) if t == tok]
+    stray = next((i for i in places if i > 0 and not argv[i - 1].startswith("-")), places[0] if places else None)
+    if stray is None:
+        return None
+    return next((a.split("=", 1)[0] for a in reversed(argv[:stray]) if a.startswith("--")), None)
 
 
 def collect_pass_through(extra: list[str], prefixes: tuple[str, ...],

@@ -54,3 +54,23 @@ def test_resume_sets_aside_records_that_rerun(tmp_path):
     assert [json.loads(l)["rollout_id"] for l in moved[:2]] == [2, 3] and moved[2].startswith('{"rollout_id": 4')
     assert side.name == "metrics.rerun-1.jsonl"
     assert set_aside_rerun_records(path, start_rollout_id=2) is None  # idempotent
+
+
+def test_wandb_key_team_and_host_reach_wandb_and_the_key_stays_out_of_the_config(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    import sys
+    import types
+
+    from tests.helpers.args import make_args
+
+    calls = {}
+    fake = types.SimpleNamespace(login=lambda **kw: calls.setdefault("login", kw),
+                                 init=lambda **kw: calls.setdefault("init", kw) and types.SimpleNamespace(
+                                     log=lambda *a, **k: None, finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = make_args(tiny_model_dir, tmp_path, "--use-wandb", "--wandb-key", "secret-key-123",
+                     "--wandb-team", "rl-team", "--wandb-host", "http://127.0.0.1:9", "--no-use-tensorboard")
+    MetricsLogger.from_args(args).close()
+    assert calls["login"] == {"key": "secret-key-123", "host": "http://127.0.0.1:9", "relogin": True}
+    assert calls["init"]["entity"] == "rl-team"
+    assert "wandb_key" not in calls["init"]["config"] and "secret-key-123" not in str(calls["init"]["config"])

@@ -176,3 +176,20 @@ def test_async_flags(tiny_model_dir, tmp_path):
         with pytest.raises(SlimeConfigError, match=msg):
             _args(tiny_model_dir, tmp_path, *extra)
     assert _args(tiny_model_dir, tmp_path, "--over-sampling-batch-size", 5).async_groups_in_flight == 5
+
+
+def test_rollout_max_context_len_cuts_each_requests_budget(tiny_model_dir, tmp_path):
+    # --rollout-max-response-len 6, context 5: a 2-token prompt may add 3 tokens; a 5-token one none
+    args = _args(tiny_model_dir, tmp_path, "--rollout-max-context-len", 5)
+    engines = FakeEngines({10: 0.0, 11: 0.0})
+    runner = GroupRunner(args, engines, RewardFunction(lambda a, s: 1.0))
+    short = Sample(prompt="p", tokens=[10, 1], index=0)
+    full = Sample(prompt="p", tokens=[11, 1, 1, 1, 1], index=1)
+
+    async def run():
+        return await runner.sample(short, 0, False), await runner.sample(full, 0, False)
+
+    (a,), (b,) = asyncio.run(run())
+    assert [p["sampling_params"]["max_new_tokens"] for p in engines.payloads] == [3]
+    assert a.response_length == 3 and len(a.tokens) == 5
+    assert b.status == SampleStatus.TRUNCATED and b.response_length == 0 and b.reward == 1.0
