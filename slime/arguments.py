@@ -36,7 +36,8 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
 )
 from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
-from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES
+from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES, engine_kind
+from slime.lora_flags import add_lora_flags, validate_lora
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
@@ -394,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-key", default=None, help="W&B API key (default: $WANDB_API_KEY or `wandb login`)")
     g.add_argument("--wandb-team", default=None, help="W&B entity (team or user) the run is logged under")
     g.add_argument("--wandb-host", default=None, help="W&B server URL (default: https://api.wandb.ai)")
+    add_lora_flags(p)
     add_model_flags(p)
     add_script_flags(p)
     return p
@@ -508,6 +510,7 @@ def validate(args: Args) -> Args:
     validate_async(args)
     validate_megatron(args)
     validate_recompute(args)
+    validate_lora(args, engine_kind(args).serves_lora_adapters)
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")

@@ -9,6 +9,9 @@ state (`train_state/`, the torch DCP directory every rank wrote), so the
 conversion does not depend on the HF copy written next to it. The config and
 tokenizer come from `--origin-hf-dir`, default the checkpoint's own `hf/`.
 `--vocab-size` trims embedding rows padded beyond the tokenizer's vocabulary.
+
+A LoRA checkpoint (`--lora-rank`: `adapter/` in peft's format instead of `hf/`) is written as its base
+model (`--origin-hf-dir`, default the base the adapter names) with the adapter merged in.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
     from transformers import AutoConfig
 
     ckpt = resolve_checkpoint(Path(input_dir))
+    if (ckpt / "adapter").is_dir():
+        return convert_lora(ckpt, output_dir, origin_hf_dir)
     origin = Path(origin_hf_dir) if origin_hf_dir else ckpt / "hf"
     if not (origin / "config.json").is_file():
         raise SlimeError(f"--origin-hf-dir {origin}: no config.json")
@@ -71,6 +76,27 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
                 state[name] = state[name][:vocab_size].clone()
         config.vocab_size = vocab_size
     return save_hf_model(state, config, origin, output_dir, source=str(ckpt), dtype=torch.float32)
+
+
+def convert_lora(ckpt: Path, output_dir: str | Path, origin_hf_dir: str | Path | None = None) -> Path:
+    """A LoRA checkpoint (`adapter/`, peft's format) merged into its base model: `--origin-hf-dir`, default
+    the base the adapter names (`base_model_name_or_path`, the run's --hf-checkpoint)."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    adapter = ckpt / "adapter"
+    base = origin_hf_dir or json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise SlimeError(f"{adapter} is a LoRA adapter whose base model {base!r} is not a local Hugging Face "
+                         f"directory; give it with --origin-hf-dir")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    state = {k: v for k, v in merged.state_dict().items()}
+    return save_hf_model(state, AutoConfig.from_pretrained(base), Path(base), output_dir, source=str(ckpt),
+                         dtype=torch.float32)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import ray
 
 from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, normalize_url
 from slime.engines.health import HealthMonitor
-from slime.engines.kinds import engine_kind
+from slime.engines.kinds import POLICY_LORA_NAME, engine_kind
 from slime.engines.launcher import EngineServer
 from slime.engines.router import RouterAdmin, connect_router, start_router
 
@@ -57,17 +57,20 @@ class EnginePool:
 
     urls: the engines' own URLs (for the calls on every engine and fault tolerance); router_url:
     where `generate` goes; concurrency: requests in flight per engine (the semaphore holds
-    concurrency x len(urls)); fault_tolerant: retry requests whose engine failed under them.
+    concurrency x len(urls)); fault_tolerant: retry requests whose engine failed under them;
+    lora_name: the LoRA adapter every `/generate` uses unless it names one (`lora_path`), for
+    --lora-sync adapter, where the engines hold the policy as the base plus that adapter.
     """
 
     def __init__(self, urls: list[str], timeout: float, router_url: str, concurrency: int = 512,
-                 fault_tolerant: bool = False):
+                 fault_tolerant: bool = False, lora_name: str | None = None):
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL")
         self.urls = [normalize_url(u) for u in urls]
         self.router_url = normalize_url(router_url)
         self.limit = concurrency * len(self.urls)
         self.fault_tolerant = fault_tolerant
+        self.lora_name = lora_name
         self.router = AsyncEngineControl(self.router_url, timeout=timeout)
         self.engines = {u: AsyncEngineControl(u, timeout=timeout) for u in self.urls}
         self.down: set[str] = set()  # engines out of the router (being restarted)
@@ -90,6 +93,8 @@ class EnginePool:
         return self._sem, self._admitted
 
     async def generate(self, payload: dict) -> dict:
+        if self.lora_name is not None and payload.get("lora_path") is None:
+            payload = {**payload, "lora_path": self.lora_name}
         sem, admitted = self._state()
         async with sem:
             self.in_flight += 1
@@ -183,7 +188,8 @@ class EngineFleet:
         for url in self.urls:
             self.router.add(url, timeout=args.engine_startup_timeout)
         self.pool = EnginePool(self.urls, timeout=args.rollout_request_timeout, router_url=router_url,
-                               concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance)
+                               concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance,
+                               lora_name=POLICY_LORA_NAME if args.lora_sync == "adapter" else None)
         if args.use_fault_tolerance:
             self.monitor = HealthMonitor(self.pool, self.router, self.servers, self.urls,
                                          args.rollout_health_check_interval, args.rollout_health_check_timeout,

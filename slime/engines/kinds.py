@@ -22,12 +22,14 @@ from slime.engines.vllm.launch import check_vllm_args, checkpoint_dtype, vllm_co
 from slime.utils.errors import SlimeConfigError
 
 UPDATE_WEIGHTS_MODES = ("auto", "tensor", "distributed", "disk")
+POLICY_LORA_NAME = "slime-policy"  # the name engines serve the trained LoRA adapter under (--lora-sync adapter)
 
 
 class EngineKind:
     name: str = ""
     update_weights_modes: tuple[str, ...] = ("tensor", "distributed")
     weight_update_sessions = False
+    serves_lora_adapters = True  # /load_lora_adapter, /unload_lora_adapter and /generate's lora_path
     pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
 
     def command(self, args, rank: int, host: str, port: int) -> list[str]:

@@ -40,6 +40,7 @@ import httpx
 import openai
 
 from slime.engines.auth import env_api_key
+from slime.engines.kinds import POLICY_LORA_NAME
 from slime.rollout.api import context
 from slime.types import Sample, SampleStatus
 
@@ -256,7 +257,10 @@ async def run_agent(agent: Agent, args, sample: Sample, sampling_params: dict, *
         base_url = base_url or ctx.openai_base_url
         tokenizer = tokenizer if tokenizer is not None else ctx.tokenizer
     budget = sampling_params.get("max_new_tokens") or args.rollout_max_response_len
-    recorder = TrajectoryRecorder(base_url, sampling_params, model=str(args.hf_checkpoint),
+    # --lora-sync adapter: the policy is the engines' base plus the trained adapter, which OpenAI
+    # routes select by its name in `model` (vLLM's convention, the native engine's too)
+    model = POLICY_LORA_NAME if getattr(args, "lora_sync", None) == "adapter" else str(args.hf_checkpoint)
+    recorder = TrajectoryRecorder(base_url, sampling_params, model=model,
                                   max_response_len=budget, timeout=float(args.rollout_request_timeout))
     error = None
     async with recorder:

@@ -159,9 +159,12 @@ class TrainActor:
             if args.custom_tis_function_path else vanilla_tis
         self.tis_fn = tis_fn if args.use_tis else None
         self._returns = None
-        self._transport = make_transport(args, self.rank)
         self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
                                                     self.master_port, with_ref=self.use_ref, value_head=critic)
+        # --lora-sync adapter: the engines get only the LoRA adapter (the reference model is the base)
+        self.push_adapter = args.lora_sync == "adapter" and not critic
+        self._transport = make_transport(args, self.rank,
+                                         self.backend.adapter_config() if self.push_adapter else None)
 
     def ready(self) -> bool:
         return self.backend is not None
@@ -495,20 +498,23 @@ class TrainActor:
         """Push the weights to `engine_urls` through this run's transport (`--update-weights-mode`,
         slime/training/weight_sync/). Collective."""
         self._transport.connect(engine_urls)
-        return self._transport.push(self._engine_weights(), weight_version)
+        weights = self.backend.adapter_weights() if self.push_adapter else self.backend.named_weights()
+        return self._transport.push(self._engine_dtype(weights), weight_version)
 
     @resident
     def check_weights(self, engine_urls: list[str]) -> int:
         """Collective: rank 0 checks that every engine serves exactly this rank's full weights (in
-        the engines' dtype)."""
-        return check_engine_weights(self._engine_weights(), engine_urls, check=self.rank == 0)
+        the engines' dtype; with --lora-sync adapter the base they hold besides the adapter)."""
+        weights = self.backend.named_weights(merge_adapter=not self.push_adapter) if self.args.lora \
+            else self.backend.named_weights()
+        return check_engine_weights(self._engine_dtype(weights), engine_urls, check=self.rank == 0)
 
-    def _engine_weights(self):
-        """The full weights as the engines serve them: cast to their dtype (`--bf16` or their
+    def _engine_dtype(self, named_weights):
+        """The weights as the engines serve them: cast to their dtype (`--bf16` or their
         `--*-dtype`: a bf16 engine gets half the bytes of an fp32 trainer's push)."""
         name = engine_kind(self.args).serve_dtype(self.args) or ("bfloat16" if self.args.bf16 else "float32")
         dtype = getattr(torch, name)
-        for key, tensor in self.backend.named_weights():
+        for key, tensor in named_weights:
             yield key, (tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor)
 
     # ------------------------------------------------------------ colocated memory handoff

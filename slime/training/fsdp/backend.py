@@ -51,7 +51,7 @@ from slime.algorithms.losses import (
     compute_entropy, compute_log_probs, compute_log_probs_and_entropy, log_probs_from_hidden,
 )
 from slime.training.backend import LossFn, MicroBatch, StepTail
-from slime.training import lr_schedule
+from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.utils.dist import init_process_group
 from slime.utils.net import node_address
@@ -109,6 +109,12 @@ class FSDPBackend(StepTail):
         model.eval()
         if self.device.type == "cuda":
             model.to(self.device)
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # --lora-rank: peft adapters on the frozen base; the reference model is the same model with the
+        # adapter switched off (slime.training.lora)
+        self.lora = bool(args.lora) and not value_head
+        if self.lora:
+            model = lora.add_adapters(model, args)
         # One rank has nothing to shard: FSDP2 there would only add, to every micro-batch, an
         # all-gather and a reduce-scatter that copy every parameter and gradient, its per-module
         # hooks and DTensor dispatch in the optimizer (a third of a tiny model's step on CPU), for
@@ -137,7 +143,6 @@ class FSDPBackend(StepTail):
             fully_shard(model, mesh=mesh, mp_policy=self.mixed_precision, offload_policy=policy)
         self.model = model
         self.pad_token_id = _pad_token_id(self.hf_config)
-        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # log-probs from the hidden states through the output layer chunk by chunk (no [tokens, vocab]
         # tensor), for models whose forward ends in that layer (checked once)
         self.hidden_head = bool(args.log_probs_chunk_size) and not value_head and self._head_is_last_step()
@@ -151,7 +156,7 @@ class FSDPBackend(StepTail):
 
         self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=self.lr_schedule.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
@@ -160,7 +165,7 @@ class FSDPBackend(StepTail):
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
         self.ref_model = None
-        if with_ref:
+        if with_ref and not self.lora:
             self.ref_model = self._reference_model(args.ref_load or args.hf_checkpoint)
 
     def _reference_model(self, path: str) -> torch.nn.Module:
@@ -191,6 +196,9 @@ class FSDPBackend(StepTail):
         concatenated in sample order, fp32 on the model's device; response token t is
         scored by the logits at position t-1 divided by the rollout temperature.
         """
+        if ref and self.lora:  # the reference is the base: the policy with its adapter switched off
+            with torch.no_grad(), lora.adapter_disabled(self.model):
+                return self._forward(self.model, mb, with_entropy=with_entropy, entropy_grad=False)
         model = self.ref_model if ref else self.model
         if model is None:
             raise RuntimeError("no reference model was built (use_kl_loss is off)")
@@ -385,23 +393,41 @@ class FSDPBackend(StepTail):
         backend calls loss_fn(k, values Tensor[N_k], None).
         returns the total gradient norm before clipping (identical on every rank).
         """
-        for k, mb in enumerate(micro_batches):
-            if self.value_head:
-                lp, ent = self.forward_values(mb, grad=True), None
-            else:
-                lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
-            loss = loss_fn(k, lp, ent)
-            loss.backward()
+        if self.lora:
+            lora.set_dropout_training(self.model, True)  # --lora-dropout acts in the training forward only
+        try:
+            for k, mb in enumerate(micro_batches):
+                if self.value_head:
+                    lp, ent = self.forward_values(mb, grad=True), None
+                else:
+                    lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
+                loss = loss_fn(k, lp, ent)
+                loss.backward()
+        finally:
+            if self.lora:
+                lora.set_dropout_training(self.model, False)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm())
         return self._step_if_finite(_full(grad_norm).item())
 
     # ------------------------------------------------------------ weights
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) for every parameter, tied ones once. Collective: all ranks iterate."""
+    def named_weights(self, merge_adapter: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) for every parameter, tied ones once (with LoRA: the base with the
+        adapter merged in, or the base alone). Collective: all ranks iterate."""
+        if self.lora:
+            yield from lora.merged_weights(self.model, merge=merge_adapter)
+            return
         for name, p in self.model.named_parameters():
             yield name, _full(p.detach()).contiguous()
+
+    def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(peft name, full tensor) of the LoRA adapter's tensors. Collective."""
+        return lora.adapter_weights(self.model)
+
+    def adapter_config(self) -> dict:
+        """The LoRA adapter's peft config (`adapter_config.json`)."""
+        return lora.adapter_config(self.model)
 
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full (unsharded) model and optimizer state dicts on CPU; rank 0 gets them, others
@@ -412,13 +438,20 @@ class FSDPBackend(StepTail):
         return get_model_state_dict(self.model, options=opts), None
 
     def save(self, path: str | Path) -> None:
-        """rank 0: `path/hf` (HF safetensors + config + tokenizer); all ranks: `path/train_state` (DCP)."""
+        """rank 0: `path/hf` (HF safetensors + config + tokenizer), with LoRA `path/adapter` (peft's
+        format) instead; all ranks: `path/train_state` (DCP; with LoRA the adapter and its optimizer)."""
         path = Path(path)
-        model_sd, _ = self.full_state(optimizer=False)
-        if self.rank == 0:
-            self._write_hf(path / "hf", model_sd)
-        del model_sd
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        if self.lora:
+            tensors = dict(self.adapter_weights())
+            if self.rank == 0:
+                lora.write_adapter(path / "adapter", tensors, self.adapter_config())
+            del tensors
+        else:
+            model_sd, _ = self.full_state(optimizer=False)
+            if self.rank == 0:
+                self._write_hf(path / "hf", model_sd)
+            del model_sd
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "train_state"))
         if self.world_size > 1:
             dist.barrier()
@@ -428,12 +461,18 @@ class FSDPBackend(StepTail):
         state_dir = Path(path) / "train_state"
         if not state_dir.is_dir():
             raise FileNotFoundError(f"no training state at {state_dir}")
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(state_dir))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._state_options)
         if self.world_size > 1:
             dist.barrier()
+
+    @property
+    def _state_options(self) -> StateDictOptions:
+        """The training state: with LoRA only the adapter (the frozen base is --hf-checkpoint)."""
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora else StateDictOptions()
 
     def _write_hf(self, out: Path, state_dict: dict[str, Tensor]) -> None:
         out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,9 @@ time by the engine kind, `slime.engines.kinds`):
   to a subset of the engines goes by `tensor` (logged);
 - `disk.DiskTransport` (`disk`, the default with --colocate and the native engine): buckets as
   safetensors files in /dev/shm, loaded by path, colocated ranks feeding their own engines;
-- `tensor.TensorTransport` (`tensor`): safetensors bytes in the request body.
+- `tensor.TensorTransport` (`tensor`): safetensors bytes in the request body;
+- `adapter.AdapterTransport` (`--lora-sync adapter`, whatever the mode): only the LoRA adapter, as a
+  peft directory each engine loads with `/load_lora_adapter`.
 
 All of them push through the one bucket loop (`buckets.push_buckets`: buckets of at most
 `--update-weight-buffer-size` tensor bytes, the last one marked) and talk to engines only through
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from slime.engines.auth import run_weights_dir
 from slime.engines.kinds import engine_kind
+from slime.training.weight_sync.adapter import AdapterTransport
 from slime.training.weight_sync.buckets import BucketCounts, iter_buckets, push_buckets
 from slime.training.weight_sync.check import check_engine_weights
 from slime.training.weight_sync.disk import DiskTransport
@@ -33,7 +36,7 @@ from slime.training.weight_sync.distributed import BroadcastGroup, DistributedTr
 from slime.training.weight_sync.tensor import TensorTransport, serialize_bucket
 
 __all__ = [
-    "BroadcastGroup", "BucketCounts", "DiskTransport", "DistributedTransport", "TensorTransport", "TRANSPORTS",
+    "AdapterTransport", "BroadcastGroup", "BucketCounts", "DiskTransport", "DistributedTransport", "TensorTransport", "TRANSPORTS",
     "WeightTransport", "check_engine_weights", "init_broadcast_group", "iter_buckets", "make_transport",
     "push_buckets", "serialize_bucket",
 ]
@@ -75,6 +78,9 @@ TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
 }
 
 
-def make_transport(args, rank: int) -> WeightTransport:
-    """This rank's transport for `args.update_weights_mode` (already resolved by the parser)."""
+def make_transport(args, rank: int, adapter_config: dict | None = None) -> WeightTransport:
+    """This rank's transport for `args.update_weights_mode` (already resolved by the parser), or the
+    LoRA adapter's (`adapter_config`: its peft config) with `--lora-sync adapter`."""
+    if adapter_config is not None:
+        return AdapterTransport(rank, run_weights_dir(args.engine_api_key), adapter_config)
     return TRANSPORTS[args.update_weights_mode](args, rank)
