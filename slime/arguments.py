@@ -510,7 +510,7 @@ def validate(args: Args) -> Args:
     validate_async(args)
     validate_megatron(args)
     validate_recompute(args)
-    validate_lora(args, engine_kind(args).serves_lora_adapters)
+    validate_lora(args, engine_kind(args))
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")

@@ -55,7 +55,8 @@ class Run:
         nodes = ", ".join(sorted(set(self.actor.addresses()))) or "-"
         print(f"slime: {len(self.engine_urls)} engine(s) at {', '.join(self.engine_urls) or '-'}; "
               f"{args.dp_size} train rank(s) on {nodes}{'; colocated' if args.colocate else ''}; weights by "
-              f"{args.update_weights_mode}; metrics in {self.logger.path}")
+              f"{'a LoRA adapter (peft directory)' if args.lora_sync == 'adapter' else args.update_weights_mode}; "
+              f"metrics in {self.logger.path}")
         for note in getattr(args, "start_up_notes", ()):  # what slime's script flags given mean here (slime.script_flags)
             print(f"slime: {note}")
 

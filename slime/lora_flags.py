@@ -9,7 +9,8 @@ or does not fit `--hf-checkpoint`'s model. It derives:
 - `args.lora_rank`, `args.lora_alpha`, `args.target_modules`: from the flags, or from the adapter's
   `adapter_config.json` with `--lora-adapter-path` (a flag given with another value is an error);
 - `args.lora_sync`: `adapter` (the engines hold the base once and receive only the adapter) when the
-  engine kind serves LoRA adapters, else `merged` (full merged weights); `--lora-sync` overrides.
+  engine kind serves LoRA adapters (and, with `--fully-async`, can swap one under paused requests:
+  the native engine), else `merged` (full merged weights); `--lora-sync` overrides.
 
 The model's module names are read from a model built on the `meta` device (no memory, no weights).
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.utils.errors import SlimeConfigError
 
@@ -55,9 +57,9 @@ def _require(cond: bool, message: str) -> None:
         raise SlimeConfigError(message)
 
 
-def validate_lora(args, serves_lora_adapters: bool) -> None:
-    """The LoRA flags (see the module docstring). `serves_lora_adapters`: whether the run's engine
-    kind takes adapters (`--lora-sync auto`)."""
+def validate_lora(args, kind) -> None:
+    """The LoRA flags (see the module docstring). `kind`: the run's engine kind
+    (`slime.engines.kinds.EngineKind`), whether it serves adapters and swaps them under a pause."""
     args.lora = args.lora_rank is not None or args.lora_adapter_path is not None
     args.lora_use_rslora, args.lora_adapter_base = False, None
     if not args.lora:
@@ -85,11 +87,15 @@ def validate_lora(args, serves_lora_adapters: bool) -> None:
     _require(ALL_LINEAR not in args.target_modules or len(args.target_modules) == 1,
              f"--target-modules: '{ALL_LINEAR}' stands alone (got {' '.join(args.target_modules)})")
     _check_targets(args)
+    # --fully-async swaps weights under paused requests, which SGLang and vLLM cannot do with an adapter
+    adapter_ok = kind.serves_lora_adapters and (kind.swaps_lora_under_pause or not args.fully_async)
     if args.lora_sync == "auto":
-        args.lora_sync = "adapter" if serves_lora_adapters else "merged"
+        args.lora_sync = "adapter" if adapter_ok else "merged"
     elif args.lora_sync == "adapter":
-        _require(serves_lora_adapters, f"--lora-sync adapter: --rollout-backend {args.rollout_backend} does not "
-                                       f"serve LoRA adapters here; use --lora-sync merged")
+        _require(adapter_ok, f"--lora-sync adapter: --rollout-backend {args.rollout_backend} "
+                             + ("cannot swap an adapter under paused requests (--fully-async)"
+                                if kind.serves_lora_adapters else "does not serve LoRA adapters")
+                             + "; use --lora-sync merged")
 
 
 def _from_adapter(args) -> None:
@@ -127,8 +133,6 @@ def _from_adapter(args) -> None:
 
 def meta_model(hf_checkpoint: str):
     """The checkpoint's causal LM built on the meta device (module names and shapes, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(hf_checkpoint)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

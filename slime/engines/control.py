@@ -18,8 +18,8 @@ in production.
 
 Every call has a timeout. Failures raise `EngineError`, whose message names the URL, the route,
 the HTTP status and the server's own message. A body that says `{"success": false}` (SGLang
-answers some failures that way with HTTP 200) is an error too; the weight routes must say
-`"success": true`.
+answers some failures that way with HTTP 200) is an error too; the weight, weight-version and LoRA
+adapter routes must say `"success": true`.
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ class Route(enum.Enum):
     DESTROY_WEIGHTS_UPDATE_GROUP = ("POST", "/destroy_weights_update_group")
     BEGIN_WEIGHT_UPDATE = ("POST", "/begin_weight_update")  # SGLang >= 0.5.23 only
     END_WEIGHT_UPDATE = ("POST", "/end_weight_update")
+    UPDATE_WEIGHT_VERSION = ("POST", "/update_weight_version")
+    # LoRA adapters (SGLang's names; /generate selects one by name in `lora_path`)
+    LOAD_LORA_ADAPTER = ("POST", "/load_lora_adapter")
+    UNLOAD_LORA_ADAPTER = ("POST", "/unload_lora_adapter")
     # memory (colocation)
     RELEASE_MEMORY_OCCUPATION = ("POST", "/release_memory_occupation")
     RESUME_MEMORY_OCCUPATION = ("POST", "/resume_memory_occupation")
@@ -107,7 +111,8 @@ ENGINE_ROUTES = tuple(r for r in Route if not r.name.startswith("ROUTER_")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 _MUST_SUCCEED = {Route.UPDATE_WEIGHTS_FROM_TENSOR, Route.UPDATE_WEIGHTS_FROM_DISK, Route.INIT_WEIGHTS_UPDATE_GROUP,
-                 Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED}
+                 Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED, Route.UPDATE_WEIGHT_VERSION, Route.LOAD_LORA_ADAPTER,
+                 Route.UNLOAD_LORA_ADAPTER}
 _RAISE = object()
 
 
@@ -132,7 +137,7 @@ def server_message(body: bytes | str) -> str:
             return str(err["message"])
         if isinstance(err, str):
             return err
-        for key in ("message", "detail"):
+        for key in ("message", "error_message", "detail"):
             if key in data:
                 return str(data[key])
     return body.strip()[:2000]
@@ -164,11 +169,13 @@ def _query(params: dict | None) -> dict | None:
 
 
 def _check_success(route: Route, base_url: str, body: Any) -> Any:
-    """SGLang answers {"success": false, "message": ...} for a refused control call (sometimes with
-    HTTP 200); the weight routes must answer success: true."""
+    """SGLang answers {"success": false, "message": ...} (the LoRA routes: "error_message") for a
+    refused control call (sometimes with HTTP 200); the weight and LoRA routes must answer success: true."""
     ok = body.get("success") if isinstance(body, dict) else None
     if ok is False or (route in _MUST_SUCCEED and ok is not True):
-        message = body.get("message", body) if isinstance(body, dict) else body
+        message = body
+        if isinstance(body, dict):
+            message = body.get("message") or body.get("error_message") or body
         raise EngineError(f"{route.method} {base_url}{route.path} did not succeed: {message!r}", url=base_url,
                           endpoint=route.path, server_message=str(message))
     return body
@@ -303,6 +310,24 @@ class _Calls:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
         return self._call(Route.DESTROY_WEIGHTS_UPDATE_GROUP, json={"group_name": group_name})
+
+    def update_weight_version(self, new_version: int | str, abort_all_requests: bool = False):
+        """Set the weight version the engine reports (UpdateWeightVersionReqInput), e.g. after a LoRA
+        adapter update; `abort_all_requests` aborts every request first."""
+        return self._call(Route.UPDATE_WEIGHT_VERSION, json={"new_version": str(new_version),
+                                                            "abort_all_requests": bool(abort_all_requests)})
+
+    # ---- LoRA adapters
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False):
+        """Load a peft LoRA adapter directory under `lora_name` (LoadLoRAAdapterReqInput); `/generate`
+        then selects it with `"lora_path": lora_name`. Answers {"success", "error_message",
+        "loaded_adapters": {name: path}}; a name already loaded is refused."""
+        return self._call(Route.LOAD_LORA_ADAPTER, json={"lora_name": lora_name, "lora_path": lora_path,
+                                                        "pinned": bool(pinned)})
+
+    def unload_lora_adapter(self, lora_name: str):
+        """Unload the adapter named `lora_name` (UnloadLoRAAdapterReqInput)."""
+        return self._call(Route.UNLOAD_LORA_ADAPTER, json={"lora_name": lora_name})
 
 
 class EngineControl(_Calls):

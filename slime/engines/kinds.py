@@ -30,6 +30,9 @@ class EngineKind:
     update_weights_modes: tuple[str, ...] = ("tensor", "distributed")
     weight_update_sessions = False
     serves_lora_adapters = True  # /load_lora_adapter, /unload_lora_adapter and /generate's lora_path
+    # whether an adapter can be swapped while requests using it are paused (--fully-async): SGLang and
+    # the vLLM adapter unload only once the adapter's running requests finish
+    swaps_lora_under_pause = False
     pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
 
     def command(self, args, rank: int, host: str, port: int) -> list[str]:
@@ -88,6 +91,7 @@ class NativeKind(EngineKind):
 
     name = "native"
     update_weights_modes = ("tensor", "distributed", "disk")
+    swaps_lora_under_pause = True  # the adapter is looked up by name at every step
 
     def command(self, args, rank, host, port):
         return native_command(args, rank, host, port, self.serve_dtype(args))

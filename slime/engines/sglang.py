@@ -13,6 +13,10 @@ the slime flag to use instead (an override would desynchronise slime's placement
 client or its weight-sync group from the server). Values slime only *defaults*
 (`--random-seed`) are overridden by the user's `--sglang-*` value. Colocated SGLang engines
 are refused at parse time: their weight updates need CUDA-IPC handles, not implemented.
+
+LoRA (`--lora-rank R --lora-sync adapter`): the server also gets `LORA_FLAGS`, `--enable-lora
+--max-lora-rank R --lora-target-modules all --max-loras-per-batch 1` (each overridable through
+`--sglang-*`), and slime loads the trained adapters through `/load_lora_adapter`.
 """
 
 from __future__ import annotations
@@ -123,6 +127,22 @@ def _ray_gpu_context() -> tuple[int | None, list]:
         return None, []
 
 
+def lora_flags(args) -> dict[str, list[str]]:
+    """{SGLang dest: its argv} to serve LoRA adapters of rank --lora-rank when the run syncs adapters
+    (`--lora-rank` with `--lora-sync adapter`); else {}. `--lora-target-modules all` covers whatever
+    linear layers the trainer targets (SGLang sizes its adapter buffers by these). One adapter per
+    batch: SGLang counts a base-model request as one too, so base and adapter requests run in
+    separate batches, and `pinned: true` loads are refused (it pins at most max-loras-per-batch - 1)."""
+    if not ((getattr(args, "lora_rank", None) or 0) > 0 and getattr(args, "lora_sync", None) == "adapter"):
+        return {}
+    return {
+        "enable_lora": ["--enable-lora"],
+        "max_lora_rank": ["--max-lora-rank", str(int(args.lora_rank))],
+        "lora_target_modules": ["--lora-target-modules", "all"],
+        "max_loras_per_batch": ["--max-loras-per-batch", "1"],
+    }
+
+
 def sglang_command(args, rank: int, host: str, port: int, parser: argparse.ArgumentParser | None = None,
                    dtype: str | None = None) -> list[str]:
     """Command line of SGLang engine `rank` serving on host:port (in `dtype` unless `--sglang-dtype`
@@ -149,6 +169,9 @@ def sglang_command(args, rank: int, host: str, port: int, parser: argparse.Argum
         cmd += ["--random-seed", str(args.seed + rank)]
     if dtype is not None and "dtype" not in user_dests:
         cmd += ["--dtype", dtype]
+    for dest, argv in lora_flags(args).items():
+        if dest not in user_dests:
+            cmd += argv
     cmd += user
     try:
         parser.parse_args(cmd[3:])

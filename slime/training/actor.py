@@ -505,8 +505,7 @@ class TrainActor:
     def check_weights(self, engine_urls: list[str]) -> int:
         """Collective: rank 0 checks that every engine serves exactly this rank's full weights (in
         the engines' dtype; with --lora-sync adapter the base they hold besides the adapter)."""
-        weights = self.backend.named_weights(merge_adapter=not self.push_adapter) if self.args.lora \
-            else self.backend.named_weights()
+        weights = self.backend.base_weights() if self.push_adapter else self.backend.named_weights()
         return check_engine_weights(self._engine_dtype(weights), engine_urls, check=self.rank == 0)
 
     def _engine_dtype(self, named_weights):

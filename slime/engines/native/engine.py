@@ -20,6 +20,9 @@ forward sees it as a `DynamicCache`), with a 2-D attention mask and explicit pos
 ids (the count of real tokens before each one), so a padded row gives the same logits
 as an unpadded forward. Each step holds `_step_lock`; weight updates take the same lock
 between steps (and get priority over the next step).
+
+LoRA adapters (`lora.py`) ride on forward hooks: each request names its adapter (or none), the
+rows of one batch may mix them, and prefill dedup keys on (adapter, prompt).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
+from slime.engines.native.lora import EngineLora, LoraState
 from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook
 from slime.engines.native.sampling import sample_next_tokens
 from slime.engines.native.weights import EngineWeights
@@ -54,11 +58,12 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class NativeEngine(EngineWeights):
+class NativeEngine(EngineWeights, EngineLora):
     """A continuous-batching generation engine over a Hugging Face causal LM.
 
     Thread-safe public methods: `submit`, `generate`, `abort`, `update_weights`,
-    `update_weights_from_disk`, `flush_cache`, `pause`, `resume`, `stats`.
+    `update_weights_from_disk`, `update_weight_version`, `load_lora_adapter`,
+    `unload_lora_adapter`, `flush_cache`, `pause`, `resume`, `stats`.
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class NativeEngine(EngineWeights):
         self._released: set[str] = set()  # "weights" / "kv_cache" while memory is released
         self._weights_stash = None  # where released weights live (temp dir on CPU, host copies on GPU)
         self._groups: dict = {}  # name -> (process group, rank, world_size, backend)
+        self._lora = LoraState()  # loaded LoRA adapters and their forward hooks
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -180,7 +186,7 @@ class NativeEngine(EngineWeights):
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed % (2**64))
         req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
-                   on_token=on_token)
+                      on_token=on_token, lora_name=inp.lora_name)
         if sp.max_new_tokens == 0:
             self._finish(req, finish_length(0))
             return
@@ -219,11 +225,13 @@ class NativeEngine(EngineWeights):
         sampling_params: dict | SamplingParams | None = None,
         rid: str | None = None,
         timeout: float | None = 600.0,
+        lora_name: str | None = None,
     ) -> GenerationResult:
         """Blocking convenience wrapper around `submit` (for in-process use and tests)."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else parse_sampling_params(sampling_params)
         check_prompt(list(input_ids), self.vocab_size, self.max_context_length)
         self.check_fits(list(input_ids), sp)
+        self.check_lora(lora_name)
         done = threading.Event()
         box: list = []
 
@@ -231,7 +239,8 @@ class NativeEngine(EngineWeights):
             box.append((res, err))
             done.set()
 
-        self.submit(GenerateInput(rid=rid or uuid.uuid4().hex, sampling_params=sp, input_ids=list(input_ids)), cb)
+        self.submit(GenerateInput(rid=rid or uuid.uuid4().hex, sampling_params=sp, input_ids=list(input_ids),
+                                  lora_name=lora_name), cb)
         if not done.wait(timeout):
             raise TimeoutError(f"generation did not finish within {timeout}s")
         res, err = box[0]
@@ -297,6 +306,7 @@ class NativeEngine(EngineWeights):
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "memory_released": sorted(self._released),
                 "weight_updates": self._stats["weight_updates"],
+                "lora_adapters": self.lora_adapters(),
             }
 
     # ------------------------------------------------------------------ weights
@@ -400,10 +410,18 @@ class NativeEngine(EngineWeights):
                 budget -= len(nxt.input_ids)
                 admitted.append(self._waiting.popleft())
             self._admitting = admitted
+        for r in self._lora_missing(admitted):  # their adapter was unloaded while they waited
+            self._finish(r, r.finish)
+        admitted = [r for r in admitted if r.finish is None]
         if admitted:
             self._prefill(admitted)
             self._retire()
+        else:
+            with self._cv:
+                self._admitting = []
         # 3. one decode step for the running batch
+        if self._lora_missing(self._running):
+            self._retire()
         if self._running:
             self._decode()
             self._retire()
@@ -427,11 +445,13 @@ class NativeEngine(EngineWeights):
         uniq: dict[tuple, int] = {}
         row_of = []
         prompts = []
+        loras = []  # the adapter of each prefilled row
         for r in reqs:
-            key = tuple(r.input_ids)
+            key = (r.lora_name, tuple(r.input_ids))
             if key not in uniq:
                 uniq[key] = len(prompts)
                 prompts.append(r.input_ids)
+                loras.append(r.lora_name)
             row_of.append(uniq[key])
         n, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((n, L), self.pad_token_id, dtype=torch.long)
@@ -442,14 +462,15 @@ class NativeEngine(EngineWeights):
         ids, mask = ids.to(self.device), mask.to(self.device)
         kv = BatchKV(n, L, self.device)
         kv.prefill_mask(mask)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=kv.hf_cache(self.num_layers),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._lora_rows(loras):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=kv.hf_cache(self.num_layers),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         kv.advance(L)
         logits = out.logits[:, -1, :].float()
         if n != len(reqs):
@@ -477,13 +498,14 @@ class NativeEngine(EngineWeights):
         kv.reserve_column(self.max_total_tokens)
         pos = kv.positions()
         kv.append_column()
-        out = self.model(
-            input_ids=self._last_tokens.view(-1, 1),
-            attention_mask=kv.attention_mask(1),
-            position_ids=pos,
-            past_key_values=kv.hf_cache(self.num_layers),
-            use_cache=True,
-        )
+        with self._lora_rows([r.lora_name for r in self._running]):
+            out = self.model(
+                input_ids=self._last_tokens.view(-1, 1),
+                attention_mask=kv.attention_mask(1),
+                position_ids=pos,
+                past_key_values=kv.hf_cache(self.num_layers),
+                use_cache=True,
+            )
         kv.advance(1)
         self._note_kv()
         logits = out.logits[:, -1, :].float()

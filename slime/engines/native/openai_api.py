@@ -14,6 +14,9 @@ and per-token log-probs in the OpenAI format when asked for (`logprobs: N` for c
 `log_softmax(logits / T)`, the same definition as `/generate`. Top alternatives are not
 computed (`top_logprobs` must be 0).
 
+`model` naming a loaded LoRA adapter generates with that adapter (vLLM's convention); any other
+name is the base model. `/v1/models` lists the base model and the loaded adapters.
+
 `stream: true` (and `stream_options: {"include_usage": true}`) answers with OpenAI's
 chunks over Server-Sent Events, the same fields per chunk (`openai_stream.py`).
 """
@@ -168,7 +171,7 @@ def _messages_to_ids(body: dict, tokenizer) -> list[int]:
 
 
 def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n: int,
-            max_tokens_key: str) -> list[GenerateInput]:
+            max_tokens_key: str, lora_name: str | None = None) -> list[GenerateInput]:
     """Validate; the n samples of every prompt as engine inputs (prompt-major)."""
     inputs = []
     for name, ids in prompts:
@@ -182,7 +185,8 @@ def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n:
             s = psp
             if n > 1 and psp.seed is not None:
                 s = SamplingParams(**{**psp.__dict__, "seed": psp.seed + i})
-            inputs.append(GenerateInput(rid=uuid.uuid4().hex, sampling_params=s, input_ids=ids, return_logprob=True))
+            inputs.append(GenerateInput(rid=uuid.uuid4().hex, sampling_params=s, input_ids=ids, return_logprob=True,
+                                        lora_name=lora_name))
     return inputs
 
 
@@ -211,6 +215,11 @@ def _model_name(request: web.Request, body: dict) -> str:
     return m or request.app[ENGINE_KEY].model_path
 
 
+def _lora_of(engine, model: str) -> str | None:
+    """The loaded LoRA adapter `model` names, else None (the base model)."""
+    return model if model in engine.lora_adapters() else None
+
+
 async def completions(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = _check_keys(await read_json(request), _COMPLETION_KEYS)
@@ -224,7 +233,7 @@ async def completions(request: web.Request) -> web.Response:
                                         f"computed), got {lp!r}")
     model = _model_name(request, body)
     prompts = _prompt_list(body["prompt"], engine.tokenizer)
-    inputs = _inputs(engine, prompts, sp, n, "max_tokens")
+    inputs = _inputs(engine, prompts, sp, n, "max_tokens", _lora_of(engine, model))
     if stream:
         return await stream_completions(request, engine, inputs, n, model, lp, include_usage)
     grouped = await _run(engine, inputs, len(prompts), n)
@@ -266,7 +275,7 @@ async def chat_completions(request: web.Request) -> web.Response:
     ids = _messages_to_ids(body, engine.tokenizer)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompts = [("messages", ids)]
-    inputs = _inputs(engine, prompts, sp, n, key)
+    inputs = _inputs(engine, prompts, sp, n, key, _lora_of(engine, model))
     if stream:
         return await stream_chat(request, engine, inputs, model, lp, include_usage)
     grouped = await _run(engine, inputs, 1, n)
@@ -293,10 +302,11 @@ async def chat_completions(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": engine.model_path, "object": "model", "created": 0, "owned_by": "slime",
-        "root": engine.model_path, "max_model_len": engine.max_context_length,
-    }]})
+    base = {"id": engine.model_path, "object": "model", "created": 0, "owned_by": "slime",
+            "root": engine.model_path, "max_model_len": engine.max_context_length}
+    adapters = [{**base, "id": name, "root": path, "parent": engine.model_path}
+                for name, path in engine.lora_adapters().items()]
+    return web.json_response({"object": "list", "data": [base, *adapters]})
 
 
 OPENAI_HANDLERS = {

@@ -37,6 +37,7 @@ class Request:
     callback: Callback
     generator: torch.Generator | None = None
     on_token: TokenHook | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with, looked up by name at every step
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None

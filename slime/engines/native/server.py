@@ -34,7 +34,10 @@ from slime.engines.protocol import (
     parse_destroy_weights_update_group,
     parse_generate_request,
     parse_init_weights_update_group,
+    parse_load_lora_adapter,
     parse_memory_tags,
+    parse_unload_lora_adapter,
+    parse_update_weight_version,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,
     parse_weight_version,
@@ -89,6 +92,7 @@ async def generate(request: web.Request) -> web.Response:
         check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
+        engine.check_lora(inp.lora_name)
     if stream:
         return await stream_generate(request, engine, inputs, is_batch, request.app[INCREMENTAL_STREAM_KEY])
     futs = [submit(engine, inp) for inp in inputs]
@@ -134,6 +138,7 @@ async def get_model_info(request: web.Request) -> web.Response:
             "max_context_length": engine.max_context_length,
             "vocab_size": engine.vocab_size,
             "weight_version": engine.weight_version,
+            "lora_adapters": engine.lora_adapters(),
         }
     )
 
@@ -292,6 +297,37 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "released": released, "weight_version": engine.weight_version})
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    version, abort_all = parse_update_weight_version(await read_json(request))
+    v = await asyncio.get_running_loop().run_in_executor(None, engine.update_weight_version, version, abort_all)
+    return web.json_response({"success": True, "message": f"Weight version updated to {v}.", "new_version": v,
+                              "weight_version": v})
+
+
+def _lora_answer(engine: NativeEngine) -> web.Response:
+    """SGLang's LoRAUpdateOutput."""
+    return web.json_response({"success": True, "error_message": None, "loaded_adapters": engine.lora_adapters()})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    name, path, _pinned = parse_load_lora_adapter(await read_json(request))  # nothing is ever evicted: pinned is moot
+    try:
+        check_request(request, weight_path=path)
+    except ProtocolError as e:
+        raise ProtocolError("lora_path", e.message) from None
+    await asyncio.get_running_loop().run_in_executor(None, engine.load_lora_adapter, name, path)
+    return _lora_answer(engine)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    name = parse_unload_lora_adapter(await read_json(request))
+    await asyncio.get_running_loop().run_in_executor(None, engine.unload_lora_adapter, name)
+    return _lora_answer(engine)
+
+
 HANDLERS = {
     Route.GENERATE: generate,
     Route.HEALTH: health,
@@ -311,6 +347,9 @@ HANDLERS = {
     Route.DESTROY_WEIGHTS_UPDATE_GROUP: destroy_weights_update_group,
     Route.RELEASE_MEMORY_OCCUPATION: release_memory_occupation,
     Route.RESUME_MEMORY_OCCUPATION: resume_memory_occupation,
+    Route.UPDATE_WEIGHT_VERSION: update_weight_version,
+    Route.LOAD_LORA_ADAPTER: load_lora_adapter,
+    Route.UNLOAD_LORA_ADAPTER: unload_lora_adapter,
 }
 
 

@@ -84,6 +84,15 @@ class EngineWeights:
             self._stats["weight_updates"] += 1
         return self.weight_version
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> str:
+        """Set the version the engine reports (SGLang's /update_weight_version), between steps;
+        `abort_all_requests` first ends every request with finish_reason abort."""
+        if abort_all_requests:
+            self.abort(abort_all=True)
+        with self._exclusive():
+            self.weight_version = str(new_version)
+        return self.weight_version
+
     def _check_weights_resident(self) -> None:
         if "weights" in self._released:
             raise ProtocolError("weights", "the weights are released; call /resume_memory_occupation first")

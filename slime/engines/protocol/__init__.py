@@ -11,7 +11,8 @@ real SGLang server, the native engine or a router in front of either.
      "sampling_params": {temperature, top_p, top_k, max_new_tokens, stop,
                          stop_token_ids, ignore_eos, skip_special_tokens, seed,
                          no_stop_trim},
-     "return_logprob": bool, "rid": str | None}
+     "return_logprob": bool, "rid": str | None,
+     "lora_path": str | [str | None, ...] | None}   (the name of a loaded LoRA adapter)
 
 Response::
 
@@ -45,7 +46,10 @@ from slime.engines.protocol.control_bodies import (
     parse_bool_param,
     parse_destroy_weights_update_group,
     parse_init_weights_update_group,
+    parse_load_lora_adapter,
     parse_memory_tags,
+    parse_unload_lora_adapter,
+    parse_update_weight_version,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,
     parse_weight_version,
@@ -90,8 +94,11 @@ __all__ = [
     "parse_generate_request",
     "parse_init_weights_update_group",
     "parse_json_body",
+    "parse_load_lora_adapter",
     "parse_memory_tags",
     "parse_sampling_params",
+    "parse_unload_lora_adapter",
+    "parse_update_weight_version",
     "parse_update_weights_from_disk",
     "parse_update_weights_from_distributed",
     "parse_weight_version",

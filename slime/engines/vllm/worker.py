@@ -15,6 +15,9 @@ Weights also arrive over a process group with the trainer (SGLang's
 `/init_weights_update_group` + `/update_weights_from_distributed` protocol): each worker
 joins as `rank_offset` + its tensor-parallel rank, receives every broadcast bucket, and
 loads what it holds when the last bucket (`load=True`) has arrived.
+
+Importing this module (vLLM does so in every worker process) also fixes LoRA serving on vLLM's
+CPU platform: see `fix_cpu_lora_base_rows`.
 """
 
 from __future__ import annotations
@@ -153,3 +156,47 @@ class SlimeWorkerExtension:
             if not wanted or name in wanted:
                 out[name] = float(p.detach().to(torch.float64).sum())
         return out
+
+
+def _skip_base_rows(fn):
+    """`fn`, one of vLLM's torch LoRA ops `bgmv_*(inputs, weights, output, indices, ...)`, with the
+    rows of index -1 (no adapter: a base-model token) adding nothing, as vLLM's Triton kernels do."""
+    if getattr(fn, "_slime_skips_base_rows", False):
+        return fn
+
+    def op(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs):
+        base = lora_indices_tensor < 0
+        if base.ndim == 1 and base.shape[0] == inputs.shape[0] and bool(base.any()):
+            inputs = inputs.masked_fill(base.view(-1, *([1] * (inputs.ndim - 1))), 0)  # a zero delta
+            lora_indices_tensor = lora_indices_tensor.clamp(min=0)
+        return fn(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs)
+
+    op._slime_skips_base_rows = True
+    op.__wrapped__ = fn
+    op.__name__ = getattr(fn, "__name__", "op")
+    return op
+
+
+def fix_cpu_lora_base_rows() -> bool:
+    """vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`, used by `PunicaWrapperCPU`) gather the
+    adapter of each token as `weights[index]`, and index -1 (a base-model request) picks the LAST
+    adapter slot: a base request batched with a LoRA request silently gets the adapter's delta
+    (with --max-loras 1 always; vllm-project/vllm PR 48421, open). Wrap the ops so that those rows
+    add nothing. True when the ops were found (and are now wrapped)."""
+    try:  # vLLM: only inside its own venv (the engine's worker processes)
+        from vllm.lora.ops.torch_ops import lora_ops  # vLLM's CPU LoRA ops
+        from vllm.lora.punica_wrapper import punica_cpu  # their user on the CPU platform
+    except Exception:  # noqa: BLE001 - no vLLM here, or another layout: nothing to fix
+        return False
+    names = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+    if not all(hasattr(lora_ops, n) for n in names):
+        return False
+    for n in names:
+        fixed = _skip_base_rows(getattr(lora_ops, n))
+        setattr(lora_ops, n, fixed)  # what lora_ops.sgmv_* (prefill) call
+        if hasattr(punica_cpu, n):
+            setattr(punica_cpu, n, fixed)  # PunicaWrapperCPU's decode path imported them by name
+    return True
+
+
+fix_cpu_lora_base_rows()

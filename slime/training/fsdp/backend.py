@@ -412,14 +412,19 @@ class FSDPBackend(StepTail):
 
     # ------------------------------------------------------------ weights
 
-    def named_weights(self, merge_adapter: bool = True) -> Iterator[tuple[str, Tensor]]:
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) for every parameter, tied ones once (with LoRA: the base with the
-        adapter merged in, or the base alone). Collective: all ranks iterate."""
+        adapter merged in). Collective: all ranks iterate."""
         if self.lora:
-            yield from lora.merged_weights(self.model, merge=merge_adapter)
+            yield from lora.merged_weights(self.model)
             return
         for name, p in self.model.named_parameters():
             yield name, _full(p.detach()).contiguous()
+
+    def base_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """With LoRA: (HF name, full tensor) of the frozen base alone, what engines that hold the
+        adapter separately serve as their weights. Collective."""
+        return lora.merged_weights(self.model, merge=False)
 
     def adapter_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(peft name, full tensor) of the LoRA adapter's tensors. Collective."""

@@ -49,6 +49,12 @@ def _captured_add_cli_args(parser: argparse.ArgumentParser) -> None:
     a("--uvicorn-access-log-exclude-prefixes", type=str, nargs="*", default=None)
     a("--api-key", type=str, default=None)
     a("--dtype", type=str, default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    a("--enable-lora", action="store_true", default=None)
+    a("--max-lora-rank", type=int, default=None)
+    a("--lora-target-modules", type=str, nargs="*", default=None,
+      choices=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj", "all"])
+    a("--max-loras-per-batch", type=int, default=8)
 
 
 @pytest.fixture
@@ -160,6 +166,30 @@ def test_forwarding_values_bare_flags_equals_form_and_lists(fake_sglang, tiny_mo
     ns = sglang_parser().parse_args(cmd[3:])
     assert (ns.max_running_requests, ns.disable_radix_cache, ns.cuda_graph_bs_decode) == (64, True, [1, 2, 4])
     assert ns.uvicorn_access_log_exclude_prefixes == []
+
+
+def test_lora_adapters_flags(fake_sglang, tiny_model_dir, data_file):
+    """--lora-rank with --lora-sync adapter: SGLang serves adapters up to that rank on every linear
+    layer, one adapter per batch; a --sglang-* value replaces slime's; merged sync adds nothing."""
+    args = _args(tiny_model_dir, data_file, "--lora-rank", "12", "--lora-sync", "adapter")
+    cmd = sglang_command(args, 0, "127.0.0.1", 4000)
+    i = cmd.index("--enable-lora")
+    assert cmd[i:] == ["--enable-lora", "--max-lora-rank", "12", "--lora-target-modules", "all",
+                       "--max-loras-per-batch", "1"]
+    ns = sglang_parser().parse_args(cmd[3:])
+    assert (ns.enable_lora, ns.max_lora_rank, ns.lora_target_modules, ns.max_loras_per_batch) == (True, 12, ["all"], 1)
+
+    args = _args(tiny_model_dir, data_file, "--sglang-max-loras-per-batch", "4",
+                 "--sglang-lora-target-modules", "q_proj v_proj", "--lora-rank", "8")  # --lora-sync auto: adapter
+    cmd = sglang_command(args, 0, "127.0.0.1", 4000)
+    assert cmd.count("--max-loras-per-batch") == 1 and _opt(cmd, "--max-loras-per-batch") == "4"
+    assert cmd.count("--lora-target-modules") == 1 and sglang_parser().parse_args(cmd[3:]).lora_target_modules == [
+        "q_proj", "v_proj"]
+    assert _opt(cmd, "--max-lora-rank") == "8" and cmd.count("--enable-lora") == 1
+
+    for flags in (["--lora-rank", "8", "--lora-sync", "merged"], []):
+        cmd = sglang_command(_args(tiny_model_dir, data_file, *flags), 0, "127.0.0.1", 4000)
+        assert not [f for f in cmd if "lora" in f]
 
 
 @pytest.mark.parametrize("flags, match", [

@@ -3,11 +3,13 @@ against a small fake vLLM server (fast, no vLLM needed); plus an e2e test on rea
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,11 +20,13 @@ from aiohttp import web
 from slime.engines.protocol import ProtocolError, parse_generate_request
 from slime.engines.vllm.launch import (
     INSTALL_SCRIPT,
+    LORA_ENV,
     VllmNotInstalled,
     adapter_command,
     check_vllm_args,
     forwarded_vllm_flags,
     vllm_command,
+    vllm_lora_rank,
     vllm_python,
 )
 from slime.engines.vllm.translate import (
@@ -86,6 +90,40 @@ def test_vllm_command_wraps_vllm_server(tmp_path, monkeypatch):
     assert server[server.index("--tensor-parallel-size") + 1] == "2"
 
 
+def test_vllm_command_serves_lora_adapters(tmp_path, monkeypatch):
+    """--lora-rank with --lora-sync adapter: vLLM gets --enable-lora, a --max-lora-rank it accepts
+    and one adapter slot; the adapter starts it with runtime LoRA updating on."""
+    from slime.engines.vllm.adapter import vllm_env
+
+    monkeypatch.setenv("SLIME_VLLM_VENV", str(fake_venv(tmp_path)))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"dtype": "float32", "vocab_size": 66}))
+    args = make_args(model, tmp_path, "--rollout-backend", "vllm", "--vllm-enforce-eager")
+
+    def server(**lora):  # the command line for args with these LoRA settings
+        cmd = vllm_command(argparse.Namespace(**{**vars(args), **lora}), 0, "127.0.0.1", 1)
+        return cmd[cmd.index("--") + 1:]
+
+    cmd = server(lora_rank=12, lora_sync="adapter")
+    assert "--enable-lora" in cmd and "--enforce-eager" in cmd
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "16" and cmd[cmd.index("--max-loras") + 1] == "1"
+    for lora in ({"lora_rank": 12, "lora_sync": "merged"}, {"lora_rank": None, "lora_sync": None}, {}):
+        assert not [f for f in server(**lora) if f.startswith("--") and "lora" in f]
+    # a --vllm-* value wins
+    args = make_args(model, tmp_path, "--rollout-backend", "vllm", "--vllm-max-loras", 2, "--vllm-max-lora-rank", 64)
+    cmd = server(lora_rank=8, lora_sync="adapter")
+    assert cmd.count("--max-loras") == 1 and cmd[cmd.index("--max-loras") + 1] == "2"
+    assert cmd.count("--max-lora-rank") == 1 and cmd[cmd.index("--max-lora-rank") + 1] == "64"
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 100, 300, 512)] == [1, 8, 8, 16, 64, 128, 320, 512]
+    with pytest.raises(SlimeConfigError, match="--lora-rank 600: vLLM serves LoRA adapters of rank at most 512"):
+        vllm_lora_rank(600)
+    # vLLM's /v1/load_lora_adapter exists only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    assert LORA_ENV == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert vllm_env({}, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env({})
+
+
 def test_missing_venv_names_install_script(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIME_VLLM_VENV", str(tmp_path / "nowhere"))
     with pytest.raises(VllmNotInstalled, match=INSTALL_SCRIPT):
@@ -128,6 +166,7 @@ def test_request_translation():
     }
     plain = to_completion_request(one({"text": "hi", "sampling_params": {"top_k": -1, "seed": 4}}), "m")
     assert plain["prompt"] == "hi" and "top_k" not in plain and "logprobs" not in plain and plain["seed"] == 4
+    assert plain["model"] == "m" and to_completion_request(one({"text": "hi", "lora_path": "v3"}), "m")["model"] == "v3"
 
 
 def completion(token_ids, finish="length", stop_reason=None, logprobs=None, text="abc", prompt_tokens=3):
@@ -191,6 +230,8 @@ class FakeVllm:
     def __init__(self):
         self.calls: list[tuple[str, object]] = []
         self.rpc_files_existed: list[bool] = []
+        self.loras: dict[str, str] = {}
+        self.gate: threading.Event | None = None  # when set, completions wait for it
 
     async def models(self, request):
         return web.json_response({"data": [{"id": "slime", "max_model_len": 64}]})
@@ -201,6 +242,11 @@ class FakeVllm:
     async def completions(self, request):
         body = await request.json()
         self.calls.append(("/v1/completions", body))
+        if body["model"] != "slime" and body["model"] not in self.loras:
+            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 20)
         if body["temperature"] == 0.123:  # a request vLLM itself rejects
             return web.json_response({"error": {"message": "bad temperature", "type": "BadRequestError",
                                                 "param": "temperature", "code": 400}}, status=400)
@@ -213,6 +259,25 @@ class FakeVllm:
             choice["logprobs"] = {"token_logprobs": [-0.25] * n, "tokens": [f"token_id:{t}" for t in ids]}
         return web.json_response({"choices": [choice], "usage": {"prompt_tokens": len(body["prompt"]),
                                                                  "completion_tokens": n}})
+
+    async def load_lora(self, request):
+        """vLLM's answers: plain text on success, OpenAI-shaped errors."""
+        body = await request.json()
+        self.calls.append(("/v1/load_lora_adapter", body))
+        if not os.path.exists(os.path.join(body["lora_path"], "adapter_config.json")):
+            return web.json_response({"error": {"message": f"Loading lora {body['lora_name']} failed: No adapter "
+                                                           f"found for {body['lora_path']}", "type": "NotFoundError",
+                                                "param": None, "code": 404}}, status=404)
+        self.loras[body["lora_name"]] = body["lora_path"]
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora(self, request):
+        body = await request.json()
+        self.calls.append(("/v1/unload_lora_adapter", body))
+        if self.loras.pop(body["lora_name"], None) is None:
+            return web.json_response({"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be found.",
+                                                "type": "NotFoundError", "param": None, "code": 404}}, status=404)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     async def rpc(self, request):
         body = await request.json()
@@ -246,6 +311,8 @@ class FakeVllm:
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/collective_rpc", self.rpc)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
         for path in ("/abort_requests", "/pause", "/resume", "/reset_prefix_cache", "/sleep", "/wake_up"):
             app.router.add_post(path, self.record)
         return app
@@ -262,7 +329,7 @@ def adapter(tmp_path):
     (model / "config.json").write_text(json.dumps({"vocab_size": 50}))
     fake = FakeVllm()
     up_port, port = free_port(), free_port()
-    state = AdapterState(f"http://127.0.0.1:{up_port}", str(model), weights_dir=str(tmp_path / "w"))
+    state = AdapterState(f"http://127.0.0.1:{up_port}", str(model), weights_dir=str(tmp_path / "w"), lora=True)
     os.makedirs(state.weights_dir)
     loop = asyncio.new_event_loop()
     runners = []
@@ -434,3 +501,154 @@ def test_adapter_sleep_mode_maps_to_vllm_sleep(adapter):
     assert http(url, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
     assert fake.calls[-1][0] == "/wake_up?tags=weights"
     assert http(url, "/resume_memory_occupation", {"tags": ["gpu"]})[1]["error"]["param"] == "tags"
+
+
+# ---------------------------------------------------------------- LoRA adapters through the adapter
+
+
+def peft_dir(path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    return str(path)
+
+
+def test_adapter_loads_selects_and_unloads_lora_adapters(adapter, tmp_path):
+    """SGLang's /load_lora_adapter and /unload_lora_adapter map onto vLLM's /v1/ routes; /generate's
+    lora_path names the completions request's model (vLLM's way to select an adapter)."""
+    url, fake, state = adapter
+    a1, a2 = peft_dir(tmp_path / "a1"), peft_dir(tmp_path / "a2")
+    status, out = http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a1, "pinned": False})
+    assert status == 200 and out == {"success": True, "error_message": None, "loaded_adapters": {"v1": a1}}
+    assert fake.calls[-1] == ("/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": a1})
+    status, out = http(url, "/load_lora_adapter", {"lora_name": "v2", "lora_path": a2})
+    assert status == 200 and out["loaded_adapters"] == {"v1": a1, "v2": a2}
+
+    gen = {"input_ids": [4, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
+    status, out = http(url, "/generate", {**gen, "lora_path": "v1"})
+    assert status == 200 and out["output_ids"] == [6, 7] and fake.calls[-1][1]["model"] == "v1"
+    http(url, "/generate", gen)
+    assert fake.calls[-1][1]["model"] == "slime"  # no lora_path: the base model
+    # the batch form: one adapter (or None: the base) per prompt, or one for all
+    status, outs = http(url, "/generate", {"input_ids": [[1], [2], [3]], "lora_path": ["v2", None, "v1"],
+                                           "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and [o["output_ids"] for o in outs] == [[2], [3], [4]]
+    assert sorted(c[1]["model"] for c in fake.calls[-3:]) == ["slime", "v1", "v2"]
+    status, outs = http(url, "/generate", {"input_ids": [[1], [2]], "lora_path": "v2",
+                                           "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and [c[1]["model"] for c in fake.calls[-2:]] == ["v2", "v2"]
+
+    status, out = http(url, "/unload_lora_adapter", {"lora_name": "v1"})
+    assert status == 200 and out == {"success": True, "error_message": None, "loaded_adapters": {"v2": a2}}
+    assert fake.calls[-1] == ("/v1/unload_lora_adapter", {"lora_name": "v1"})
+    assert state.lora_adapters == {"v2": a2} and fake.loras == {"v2": a2}
+    # a name can be loaded again once unloaded
+    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a2})[0] == 200
+
+
+@pytest.mark.parametrize("path,body,field,message", [
+    ("/load_lora_adapter", {"lora_name": "v1", "lora_path": "{a1}"}, "lora_name", "already loaded"),
+    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"}, "lora_path", "not a directory"),
+    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "{empty}"}, "lora_path", "No adapter found"),  # vLLM's 404
+    ("/load_lora_adapter", {"lora_name": "x"}, "lora_path", "non-empty string"),
+    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "{a1}", "pinned": "yes"}, "pinned", "boolean"),
+    ("/unload_lora_adapter", {"lora_name": "nope"}, "lora_name", "no LoRA adapter named 'nope'"),
+    ("/unload_lora_adapter", {}, "lora_name", "non-empty string"),
+    ("/generate", {"input_ids": [1], "lora_path": "nope", "sampling_params": {"max_new_tokens": 1}}, "lora_path",
+     "no LoRA adapter named 'nope' is loaded (loaded: v1)"),
+    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["v1", "nope"], "sampling_params": {"max_new_tokens": 1}},
+     "lora_path[1]", "'nope'"),
+    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["v1"]}, "lora_path", "one entry per prompt"),
+])
+def test_adapter_lora_errors_are_400_naming_the_field(adapter, tmp_path, path, body, field, message):
+    url, fake, state = adapter
+    a1 = peft_dir(tmp_path / "a1")
+    (tmp_path / "empty").mkdir()
+    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a1})[0] == 200
+    body = {k: v.format(a1=a1, empty=tmp_path / "empty") if isinstance(v, str) else v for k, v in body.items()}
+    n = len(fake.calls)
+    status, out = http(url, path, body)
+    assert status == 400, out
+    assert out["error"]["param"] == field and message in out["error"]["message"], out
+    assert state.lora_adapters == {"v1": a1}
+    assert not [c for c in fake.calls[n:] if c[0] in ("/v1/completions", "/v1/unload_lora_adapter")]
+
+
+def test_adapter_without_lora_enabled_says_so(adapter, tmp_path):
+    url, fake, state = adapter
+    state.lora = False
+    status, out = http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": peft_dir(tmp_path / "a")})
+    assert status == 400 and "--enable-lora" in out["error"]["message"]
+    assert not [c for c in fake.calls if "lora" in c[0]]
+
+
+def test_unload_waits_for_the_adapters_running_requests(adapter, tmp_path):
+    """As SGLang: an unload refuses new requests for the adapter at once and reaches vLLM only after
+    the running ones have ended."""
+    url, fake, state = adapter
+    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": peft_dir(tmp_path / "a")})[0] == 200
+    fake.gate = threading.Event()
+    results = {}
+    gen = threading.Thread(target=lambda: results.update(gen=http(url, "/generate", {
+        "input_ids": [1], "lora_path": "v1", "sampling_params": {"max_new_tokens": 1}})))
+    gen.start()
+    deadline = time.monotonic() + 10
+    while not [c for c in fake.calls if c[0] == "/v1/completions"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    unload = threading.Thread(target=lambda: results.update(unload=http(url, "/unload_lora_adapter",
+                                                                        {"lora_name": "v1"})))
+    unload.start()
+    time.sleep(0.5)
+    assert unload.is_alive() and not [c for c in fake.calls if c[0] == "/v1/unload_lora_adapter"]
+    status, out = http(url, "/generate", {"input_ids": [1], "lora_path": "v1",  # refused at once
+                                          "sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and out["error"]["param"] == "lora_path"
+    fake.gate.set()
+    gen.join(10)
+    unload.join(10)
+    assert results["gen"][0] == 200 and results["unload"][0] == 200
+    assert results["unload"][1]["loaded_adapters"] == {}
+    assert fake.calls[-1] == ("/v1/unload_lora_adapter", {"lora_name": "v1"})  # after the request ended
+    assert [c[0] for c in fake.calls].count("/v1/completions") == 1 and fake.loras == {}
+
+
+def test_adapter_update_weight_version(adapter):
+    url, fake, _ = adapter
+    status, out = http(url, "/update_weight_version", {"new_version": "7"})
+    assert status == 200 and out["success"] is True and out["weight_version"] == "7" and "7" in out["message"]
+    assert http(url, "/get_weight_version")[1] == {"weight_version": "7"}
+    assert not [c for c in fake.calls if c[0] == "/abort_requests"]
+    status, out = http(url, "/update_weight_version", {"new_version": 8, "abort_all_requests": True})
+    assert status == 200 and out["weight_version"] == "8" and fake.calls[-1] == ("/abort_requests", {})
+    gen = http(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})
+    assert gen[1]["meta_info"]["weight_version"] == "8"
+    status, out = http(url, "/update_weight_version", {})
+    assert status == 400 and out["error"]["param"] == "new_version"
+
+
+def test_cpu_lora_ops_skip_base_rows():
+    """vLLM's CPU LoRA ops gather `weights[index]`, so a base-model token (index -1) got the last
+    adapter slot's delta; the worker extension wraps them so those rows add nothing."""
+    import torch
+
+    from slime.engines.vllm.worker import _skip_base_rows
+
+    def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling=1.0):  # vLLM 0.32's op
+        selected = lora_a_weights[lora_indices_tensor].to(dtype=output_tensor.dtype).squeeze(dim=1)
+        outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
+        output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
+
+    g = torch.Generator().manual_seed(0)
+    x, a = torch.randn(3, 4, generator=g), torch.randn(1, 1, 2, 4, generator=g)  # one adapter slot
+    idx = torch.tensor([0, -1, 0])
+    raw, fixed = torch.zeros(3, 2), torch.zeros(3, 2)
+    bgmv_shrink(x, a, raw, idx, 0.5)
+    op = _skip_base_rows(bgmv_shrink)
+    op(x, a, fixed, idx, 0.5)
+    assert raw[1].abs().sum() > 0  # the bug: the base row got slot 0's adapter
+    assert fixed[1].abs().sum() == 0 and torch.equal(fixed[[0, 2]], raw[[0, 2]])
+    assert _skip_base_rows(op) is op
+    every = torch.zeros(3, 2)
+    op(x, a, every, torch.zeros(3, dtype=torch.long), 0.5)  # no base rows: the op as it was
+    bgmv_shrink(x, a, raw, torch.zeros(3, dtype=torch.long), 0.5)
+    assert torch.equal(every, raw)
