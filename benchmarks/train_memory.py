@@ -44,7 +44,7 @@ CONFIGS = {
     "--optimizer-cpu-offload": ["--log-probs-chunk-size", "0", "--optimizer-cpu-offload"],
     "all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--optimizer-cpu-offload"],
     "--lora-rank 16": ["--log-probs-chunk-size", "0", "--lora-rank", "16"],
-    "--lora-rank 16, all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--lora-rank",
+    "--lora-rank 16 + all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--lora-rank",
                                "16"],
 }
 
@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None, help="also write one JSON line per configuration here")
-    p.add_argument("--configs", default=None, help="comma-separated names of CONFIGS to run (default: all)")
+    p.add_argument("--configs", default=None, help="';'-separated names of CONFIGS to run (default: all)")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.only is not None:
@@ -112,7 +112,7 @@ def main() -> None:
           f"{a.threads} threads")
     print("| configuration | peak RSS | step time |")
     print("|---|---|---|")
-    for name in (a.configs.split(",") if a.configs else CONFIGS):
+    for name in (a.configs.split(";") if a.configs else CONFIGS):
         out = subprocess.run([sys.executable, __file__, f"--only={name}", "--model", a.model, "--samples",
                               str(a.samples), "--tokens", str(a.tokens), "--threads", str(a.threads)],
                              capture_output=True, text=True)

@@ -1,5 +1,5 @@
 """LoRA end to end (docs/lora.md) on the tiny model: a GRPO run whose reward rises while the engine
-serves the base plus the pushed adapter; the merged mode with colocated ranks and engines;
+serves the base plus the pushed adapter; both modes with colocated ranks and engines;
 train_async.py pushing adapters from two ranks to two engines behind the router; and an engine killed
 and restarted under --use-fault-tolerance, which gets the base plus the current adapter. In the
 synchronous runs the engine's log-probs of the sampled tokens equal the trainer's after every push
@@ -41,12 +41,14 @@ def test_quickstart_tiny_lora_learns_with_the_adapter_pushed_each_rollout(tmp_pa
     assert pushed == {4 * 16 * 2 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 256))}, pushed
 
 
-def test_merged_lora_colocated_on_two_ranks(task, tmp_path):
-    out = tmp_path / "merged"
-    proc = run(shape_cmd(task, out, "--lora-rank", "8", "--lora-sync", "merged", "--colocate",
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_colocated_on_two_ranks(task, tmp_path, sync):
+    out = tmp_path / sync
+    proc = run(shape_cmd(task, out, "--lora-rank", "8", "--lora-sync", sync, "--colocate",
                          "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--check-weight-update-equal"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "weights by disk" in proc.stdout and "colocated" in proc.stdout
+    assert "colocated" in proc.stdout
+    assert ("weights by a LoRA adapter" if sync == "adapter" else "weights by disk") in proc.stdout
     train = _train(out)
     assert [r["rollout_id"] for r in train] == [0, 1, 2]
     assert all(r[LP] < 1e-5 for r in train), [r[LP] for r in train]

@@ -31,3 +31,19 @@ def test_decode_step_record(tmp_path):
     flops = 2 * 4 * (2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * vocab)
     assert abs(rec["gemm_gflops"] - flops / rec["gemm_floor_ms"] / 1e6) < 0.1
     assert rec["native_profile"][0]["self_ms_per_step"] >= rec["native_profile"][-1]["self_ms_per_step"]
+
+
+def test_lora_push_record(tiny_model_dir):
+    """benchmarks/lora_push.py on the tiny model: the adapter push carries exactly the adapter's
+    tensors (rank 4 on the 14 linear layers, fp32), the full pushes every parameter."""
+    import lora_push
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = {r["config"]: r for r in lora_push.run(tiny_model_dir, rank=4, pushes=1, threads=1)}
+    full = sum(p.numel() * 4 for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir,
+                                                                           dtype=torch.float32).parameters())
+    assert rows["full, tensor"]["bytes"] == rows["full, disk"]["bytes"] == rows["LoRA, merged (tensor)"]["bytes"] == full
+    assert rows["LoRA, adapter"]["bytes"] == 4 * 4 * 2 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 256))
+    assert rows["LoRA, adapter"]["payload_bytes"] > rows["LoRA, adapter"]["bytes"]  # + the safetensors header
+    assert all(r["seconds"] > 0 for r in rows.values())

@@ -185,3 +185,24 @@ def test_training_starts_from_a_given_adapter(tiny_model_dir, tmp_path):
         assert all(p.requires_grad == (".lora_" in n) for n, p in actor.backend.model.named_parameters())
     finally:
         actor.shutdown()
+
+
+def test_lora_dropout_acts_in_the_training_forward_only(tiny_model_dir, tmp_path):
+    from peft.tuners.lora import LoraLayer
+
+    args = make_args(tiny_model_dir, tmp_path, *COMMON, *LORA, "--lora-dropout", 0.5)
+    actor = local_actor(args)
+    try:
+        drops = [d for m in actor.backend.model.modules() if isinstance(m, LoraLayer) for d in m.lora_dropout.values()]
+        assert drops and all(d.p == 0.5 for d in drops)
+        seen = []
+        hook = drops[0].register_forward_hook(lambda mod, inp, out: seen.append(mod.training))
+        actor.train(0, synthetic_batch(tiny_model_dir, 8, seed=1))
+        hook.remove()
+        assert seen and all(seen)  # on in the training forward (the reference forward skips the adapter)
+        assert not any(d.training for d in drops)  # and off again afterwards
+        a, _ = actor.backend.forward_logprobs(MicroBatch(TOKENS, LENGTHS))
+        b, _ = actor.backend.forward_logprobs(MicroBatch(TOKENS, LENGTHS))
+        assert torch.equal(a, b)
+    finally:
+        actor.shutdown()
