@@ -45,8 +45,9 @@ def lora_config(args) -> LoraConfig:
 
 
 def add_adapters(model: torch.nn.Module, args) -> PeftModel:
-    """The model with a trainable LoRA adapter (new, or `--lora-adapter-path`); the base is frozen.
-    New adapters start as peft initializes them (B = 0: the model's outputs are unchanged)."""
+    """The model with a trainable LoRA adapter (new, or `--lora-adapter-path`) in fp32; the base is
+    frozen (in whatever dtype it was loaded). New adapters start as peft initializes them (B = 0:
+    the model's outputs are unchanged)."""
     if args.lora_adapter_path is not None:
         peft_model = PeftModel.from_pretrained(model, args.lora_adapter_path, is_trainable=True)
     else:

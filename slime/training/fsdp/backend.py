@@ -103,8 +103,11 @@ class FSDPBackend(StepTail):
                                  f"{self.hf_config.model_type!r} in transformers: {e}") from e
             self.hf_config = model.config
         else:
+            # a frozen LoRA base needs no fp32 master copy: with --bf16 it is kept in bf16 (half the
+            # memory); the adapters train in fp32 (FSDP2 needs one dtype among trainable parameters only)
+            base_dtype = torch.bfloat16 if args.lora and args.bf16 else torch.float32
             model = AutoModelForCausalLM.from_pretrained(
-                args.hf_checkpoint, dtype=torch.float32, attn_implementation=args.attn_implementation
+                args.hf_checkpoint, dtype=base_dtype, attn_implementation=args.attn_implementation
             )
         model.eval()
         if self.device.type == "cuda":

@@ -206,3 +206,23 @@ def test_lora_dropout_acts_in_the_training_forward_only(tiny_model_dir, tmp_path
         assert torch.equal(a, b)
     finally:
         actor.shutdown()
+
+
+def test_bf16_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(tiny_model_dir, tmp_path):
+    batch = synthetic_batch(tiny_model_dir, 8, seed=1)
+    runs = {}
+    for name, extra in (("fp32", ()), ("bf16", ("--bf16",))):
+        actor = local_actor(make_args(tiny_model_dir, tmp_path, *COMMON, *LORA, *extra))
+        try:
+            dtypes = {n: p.dtype for n, p in actor.backend.model.named_parameters()}
+            runs[name] = (dtypes, actor.train(0, batch), dict(actor.backend.adapter_weights()))
+        finally:
+            actor.shutdown()
+    dtypes, metrics, adapter = runs["bf16"]
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    assert set(runs["fp32"][0].values()) == {torch.float32}
+    assert metrics["train/loss"] == pytest.approx(runs["fp32"][1]["train/loss"], abs=2e-2)
+    for k, v in adapter.items():  # the same step, within bf16 rounding of the forward
+        assert v.dtype == torch.float32
+        torch.testing.assert_close(v, runs["fp32"][2][k], atol=5e-3, rtol=0)
