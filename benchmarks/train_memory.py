@@ -6,9 +6,10 @@ One GRPO micro-batch of `--samples` samples of about `--tokens` tokens (prompt 6
 rest), KL loss on (so a reference model exists), one optimizer step of SmolLM2-135M-Instruct
 (converted once into ~/.cache/slime, see slime/utils/pretrained.py; `--model` for another
 directory) on the FSDP backend, one rank. Each configuration runs in its own process; its peak
-RSS (ru_maxrss: on a CPU the host copy of everything counts) and the time of the step (policy
-forward for the old and reference log-probs, then forward + backward + AdamW) are printed as a
-table:
+RSS (ru_maxrss: on a CPU the host copy of everything counts), the peak RSS of the step alone
+(counted from its start: what the step adds to the resident model and optimizer; Linux's
+/proc/self/clear_refs restarts the count) and the time of the step (reference forward, then
+forward + backward + AdamW) are printed as a table:
 
 - base: fp32, full logits (`--log-probs-chunk-size 0`), no recompute;
 - each feature alone: `--bf16`, `--gradient-checkpointing`, chunked log-probs
@@ -83,12 +84,25 @@ def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str
     actor.init()
     torch.set_num_threads(threads)
     batch = _batch(samples, tokens, AutoConfig.from_pretrained(model).vocab_size)
+    init_peak = _peak_rss_mb()
+    _reset_peak_rss()  # from here on the peak is the step's own
     t0 = time.perf_counter()
     metrics = actor.train(0, batch)
     seconds = time.perf_counter() - t0
+    step_peak = _peak_rss_mb()
     actor.shutdown()
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "seconds": seconds,
-            "loss": metrics["train/loss"]}
+    return {"peak_rss_mb": max(init_peak, step_peak), "step_peak_rss_mb": step_peak, "init_peak_rss_mb": init_peak,
+            "seconds": seconds, "loss": metrics["train/loss"]}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Linux: restart the process's peak RSS count (VmHWM / ru_maxrss) at its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def main() -> None:
@@ -110,8 +124,8 @@ def main() -> None:
         a.model = str(smollm2_135m_instruct())
     print(f"one GRPO step, {a.samples} samples x ~{a.tokens} tokens, KL loss on, {Path(a.model).name}, one rank, "
           f"{a.threads} threads")
-    print("| configuration | peak RSS | step time |")
-    print("|---|---|---|")
+    print("| configuration | peak RSS | peak RSS of the step | step time |")
+    print("|---|---|---|---|")
     for name in (a.configs.split(";") if a.configs else CONFIGS):
         out = subprocess.run([sys.executable, __file__, f"--only={name}", "--model", a.model, "--samples",
                               str(a.samples), "--tokens", str(a.tokens), "--threads", str(a.threads)],
@@ -119,10 +133,11 @@ def main() -> None:
         if out.returncode != 0:
             why = ("killed (out of memory)" if out.returncode == -9 else
                    f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
-            print(f"| {name} | {why} | |", flush=True)
+            print(f"| {name} | {why} | | |", flush=True)
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['seconds']:.1f} s |", flush=True)
+        print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['step_peak_rss_mb'] / 1024:.2f} GiB | "
+              f"{r['seconds']:.1f} s |", flush=True)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"config": name, **r}) + "\n")

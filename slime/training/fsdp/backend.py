@@ -51,6 +51,7 @@ from slime.algorithms.losses import (
     compute_entropy, compute_log_probs, compute_log_probs_and_entropy, log_probs_from_hidden,
 )
 from slime.training.backend import LossFn, MicroBatch, StepTail
+from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.utils.dist import init_process_group
@@ -150,7 +151,13 @@ class FSDPBackend(StepTail):
         # tensor), for models whose forward ends in that layer (checked once)
         self.hidden_head = bool(args.log_probs_chunk_size) and not value_head and self._head_is_last_step()
         self.pack = not args.disable_sequence_packing
-        if self.pack and not self._packing_is_exact():
+        # packed rows attend one sample at a time (packed_attention) where that gives what separate
+        # forwards give; else through the row's block-diagonal mask; else rows are padded
+        self.segmented = self.pack and args.attn_implementation == "sdpa" and _set_attention(model, PACKED_SDPA)
+        if self.segmented and not self._packing_is_exact():  # the check passes the segments' lengths
+            self.segmented = False
+            _set_attention(model, "sdpa")
+        if self.pack and not self.segmented and not self._packing_is_exact():
             logger.warning("%s ignores packed position_ids here; training on padded rows instead",
                            type(model).__name__)
             self.pack = False
@@ -179,6 +186,8 @@ class FSDPBackend(StepTail):
                                                    attn_implementation=self.args.attn_implementation)
         ref.eval()
         ref.requires_grad_(False)
+        if self.segmented:  # the same architecture as the policy: its packed rows attend per sample too
+            _set_attention(ref, PACKED_SDPA)
         if not self.sharded and self.device.type != "cuda":
             return ref  # one CPU rank: nothing to shard, and the host is the device
         policy = CPUOffloadPolicy(pin_memory=True) if self.device.type == "cuda" else OffloadPolicy()
@@ -222,11 +231,11 @@ class FSDPBackend(StepTail):
             raise RuntimeError("forward_values needs a backend built with value_head=True")
         with torch.set_grad_enabled(grad):
             if self.pack:
-                ids, pos, score = self._pack(mb)
+                inputs, score = self._pack(mb)
+                out = self.model(**inputs).logits
                 if score.numel() == 0:
-                    out = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
                     return out.new_zeros(0, dtype=torch.float32) + 0.0 * out.sum()
-                return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0, score, 0].float()
+                return out[0, score, 0].float()
             ids, attn, prompt_lens = self._pad(mb)
             out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[..., 0]  # [B, t]
             values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
@@ -248,10 +257,11 @@ class FSDPBackend(StepTail):
                                  "(a response needs at least one prompt token before it)")
         return lens, prompt_lens
 
-    def _pack(self, mb) -> tuple[Tensor, Tensor, Tensor]:
-        """One packed row: input ids [1, N], position ids [1, N] restarting per sample, and the
-        positions (Tensor[sum(response_lengths)]) whose logits score the response tokens, in
-        sample order (response token t of a sample is scored at its position t - 1)."""
+    def _pack(self, mb) -> tuple[dict, Tensor]:
+        """One packed row: the model's inputs (input ids [1, N], position ids [1, N] restarting per
+        sample, the samples' lengths for per-sample attention), and the positions
+        (Tensor[sum(response_lengths)]) whose logits score the response tokens, in sample order
+        (response token t of a sample is scored at its position t - 1)."""
         lens, prompt_lens = self._layout(mb)
         ids = torch.as_tensor([tok for toks in mb.tokens for tok in toks], dtype=torch.long)
         pos = torch.cat([torch.arange(n) for n in lens])
@@ -259,7 +269,12 @@ class FSDPBackend(StepTail):
         for n, p, r in zip(lens, prompt_lens, mb.response_lengths):
             score.append(torch.arange(offset + p - 1, offset + p - 1 + r))
             offset += n
-        return ids[None].to(self.device), pos[None].to(self.device), torch.cat(score).to(self.device)
+        inputs = {"input_ids": ids[None].to(self.device), "position_ids": pos[None].to(self.device),
+                  "use_cache": False, **self._segment_kwargs(lens)}
+        return inputs, torch.cat(score).to(self.device)
+
+    def _segment_kwargs(self, lens: list[int]) -> dict:
+        return segment_kwargs(lens) if self.segmented else {}
 
     @torch.no_grad()
     def _head_is_last_step(self) -> bool:
@@ -295,7 +310,8 @@ class FSDPBackend(StepTail):
         ids = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)[None].to(self.device)
         pos = torch.cat([torch.arange(len(s)) for s in seqs])[None].to(self.device)
         try:
-            packed = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            packed = self.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                **self._segment_kwargs([len(s) for s in seqs])).logits[0].float()
         except Exception as e:  # noqa: BLE001 - any failure means: do not pack
             logger.warning("packed forward failed (%s: %s)", type(e).__name__, e)
             return False
@@ -344,13 +360,14 @@ class FSDPBackend(StepTail):
         return log_probs, entropy
 
     def _forward_packed(self, model, mb, *, with_entropy: bool, entropy_grad: bool):
-        ids, pos, score = self._pack(mb)
+        inputs, score = self._pack(mb)
+        ids = inputs["input_ids"]
         keep = score if score.numel() else 1  # no response token: keep the graph (FSDP) with one position
         if self._supports_logits_to_keep:
-            x, weight = self._head_inputs(model, input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep)
+            x, weight = self._head_inputs(model, **inputs, logits_to_keep=keep)
             x = x[0]
         else:
-            x, weight = self._head_inputs(model, input_ids=ids, position_ids=pos, use_cache=False)
+            x, weight = self._head_inputs(model, **inputs)
             x = x[0][score] if score.numel() else x[0][-1:]
         if not score.numel():
             log_probs = x.new_zeros(0, dtype=torch.float32)
@@ -546,6 +563,16 @@ def _recompute_in_backward(layer: torch.nn.Module) -> None:
         return forward(*args, **kwargs)
 
     layer.forward = recomputed
+
+
+def _set_attention(model: torch.nn.Module, implementation: str) -> bool:
+    """Switch a Hugging Face model's attention implementation (read by every attention layer at
+    each forward); False where the model has no such setting."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        return False
+    config._attn_implementation = implementation
+    return True
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:

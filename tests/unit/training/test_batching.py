@@ -33,9 +33,14 @@ def _varied_batch(model_dir, n, seed):
 # ---------------------------------------------------------------- packing
 
 
-def test_packed_forward_equals_padded(tiny_model_dir, tmp_path):
+def test_packed_forward_equals_padded(tiny_model_dir, tmp_path, monkeypatch):
     from slime.training.backend import MicroBatch
+    from slime.training.fsdp import packed_attention
 
+    calls = []
+    plain = packed_attention.sdpa_attention_forward
+    monkeypatch.setattr(packed_attention, "sdpa_attention_forward",
+                        lambda m, q, *a, **k: calls.append(q.shape[2]) or plain(m, q, *a, **k))
     batch = _varied_batch(tiny_model_dir, 6, seed=3)
     mb = MicroBatch(batch.tokens, batch.response_lengths)
     out = {}
@@ -43,13 +48,19 @@ def test_packed_forward_equals_padded(tiny_model_dir, tmp_path):
         actor = local_actor(make_args(tiny_model_dir, tmp_path, *BASE, *flag))
         try:
             assert actor.backend.pack is (not flag)
+            calls.clear()
             lp, ent = actor.backend.forward_logprobs(mb, grad=False, with_entropy=True)
-            ids, pos, score = actor.backend._pack(mb) if not flag else (None, None, None)
+            if not flag:  # each of the 2 layers attends over each sample's own span
+                assert calls == [len(t) for t in batch.tokens] * 2
             out[bool(flag)] = (lp, ent)
             if not flag:  # one row, no padding; positions restart at every sample
-                assert ids.shape == (1, sum(len(t) for t in batch.tokens))
-                assert int((pos[0] == 0).sum()) == len(batch)
+                inputs, score = actor.backend._pack(mb)
+                assert inputs["input_ids"].shape == (1, sum(len(t) for t in batch.tokens))
+                assert int((inputs["position_ids"][0] == 0).sum()) == len(batch)
                 assert score.numel() == sum(batch.response_lengths)
+                # each sample attends to its own span only (slime.training.fsdp.packed_attention)
+                assert actor.backend.segmented
+                assert inputs["slime_segment_lengths"] == tuple(len(t) for t in batch.tokens)
         finally:
             actor.shutdown()
     (lp_pk, ent_pk), (lp_pd, ent_pd) = out[False], out[True]
