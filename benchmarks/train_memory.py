@@ -16,7 +16,8 @@ forward + backward + AdamW) are printed as a table:
   (`--log-probs-chunk-size 1024`), `--optimizer-cpu-offload` (a no-op on a CPU);
 - all of them on (the defaults of this build plus `--bf16 --gradient-checkpointing`);
 - LoRA (`--lora-rank 16` on every linear layer; the KL reference is the base with the adapter off, so
-  no reference copy; AdamW state for the adapter only), alone and with the other features on.
+  no reference copy; AdamW state for the adapter only; with `--bf16` the frozen base is kept in
+  bf16), alone, in fp32 with recompute and chunked log-probs, and with the other features on.
 
 The reference model is sharded like the policy; with one CPU rank that is one plain copy, so it
 has no row of its own here. The learning-rate schedule changes no memory.
@@ -44,7 +45,10 @@ CONFIGS = {
     "chunked log-probs (1024)": ["--log-probs-chunk-size", "1024"],
     "--optimizer-cpu-offload": ["--log-probs-chunk-size", "0", "--optimizer-cpu-offload"],
     "all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--optimizer-cpu-offload"],
+    "fp32, recompute + chunked": ["--log-probs-chunk-size", "1024", "--gradient-checkpointing"],
     "--lora-rank 16": ["--log-probs-chunk-size", "0", "--lora-rank", "16"],
+    "--lora-rank 16, fp32, recompute + chunked": ["--log-probs-chunk-size", "1024", "--gradient-checkpointing",
+                                                  "--lora-rank", "16"],
     "--lora-rank 16 + all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--lora-rank",
                                "16"],
 }

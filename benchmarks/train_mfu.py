@@ -58,7 +58,7 @@ def quickstart_batch(model: str, seed: int = 0):
     for p in range(SAMPLES // PER_PROMPT):
         question = problems[int(torch.randint(len(problems), (1,), generator=g))][0]
         text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                       add_generation_prompt=True)
+                                       add_generation_prompt=True) if tok.chat_template else question
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         for _ in range(PER_PROMPT):
             r = int(torch.randint(8, 49, (1,), generator=g))
@@ -134,7 +134,7 @@ class Timers:
         self.ref = self.opt = 0.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--threads", type=int, default=2)
@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators of one step")
     p.add_argument("--json", default=None, help="also append the record here (JSON lines)")
     p.add_argument("train_flags", nargs=argparse.REMAINDER)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     extra = a.train_flags[1:] if a.train_flags[:1] == ["--"] else a.train_flags
     torch.set_num_threads(a.threads)
     if a.model is None:
@@ -223,6 +223,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(rec) + "\n")
+    return rec
 
 
 if __name__ == "__main__":

@@ -47,3 +47,28 @@ def test_lora_push_record(tiny_model_dir):
     assert rows["LoRA, adapter"]["bytes"] == 4 * 4 * 2 * (2 * (128 + 128) + 2 * (128 + 64) + 3 * (128 + 256))
     assert rows["LoRA, adapter"]["payload_bytes"] > rows["LoRA, adapter"]["bytes"]  # + the safetensors header
     assert all(r["seconds"] > 0 for r in rows.values())
+
+
+def test_train_mfu_record(tiny_model_dir, tmp_path):
+    """benchmarks/train_mfu.py on the tiny model: the FLOPs it counts, the ratio and the breakdown
+    are consistent with its timings."""
+    import train_mfu
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "mfu.jsonl"
+    rec = train_mfu.main(["--model", str(tiny_model_dir), "--steps", "3", "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rec))
+    batch = train_mfu.quickstart_batch(str(tiny_model_dir))
+    assert rec["tokens"] == sum(len(t) for t in batch.tokens)
+    assert len(batch) == 64 and set(batch.group_indices) == set(range(8))
+    assert all(8 <= r <= 48 for r in batch.response_lengths)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert rec["params"] == params
+    assert rec["model_tflop"] * 1e12 == 8 * params * rec["tokens"]  # 6 (train) + 2 (the KL reference)
+    assert rec["step_s"] == sorted(rec["steps_s"])[1]
+    assert 0 < rec["ref_forward_s"] < rec["step_s"] and 0 < rec["optimizer_s"] < rec["step_s"]
+    assert abs(rec["train_fwd_bwd_and_rest_s"] - (rec["step_s"] - rec["ref_forward_s"] - rec["optimizer_s"])) < 1e-9
+    assert abs(rec["achieved_gflops"] - rec["model_tflop"] * 1e3 / rec["step_s"]) < 1e-6
+    assert abs(rec["ratio"] - rec["achieved_gflops"] / rec["matmul_gflops"]) < 1e-9
+    assert rec["matmul_gflops"] == max(rec["matmul_gflops_before_after"]) > 0
