@@ -27,23 +27,6 @@ PROMPTS = ["What is 12 - 3? Answer:", "1 + 1 = 2.", "please reply with only the 
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def sharp_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with its matrices scaled x8: peaked distributions, so greedy output
-    varies token to token (the raw random model repeats one token)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("sharp_model")
-    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    m.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def hf_model(sharp_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -27,20 +27,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with its matrices scaled x8: peaked distributions, so greedy output varies token
-    to token (the raw random model repeats one token) and an adapter changes it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("lora_base")
-    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    m.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
+def model_dir(sharp_model_dir):
+    """The sharpened tiny model (tests/unit/engines/conftest.py): an adapter changes its greedy output."""
+    return sharp_model_dir
 
 
 def _peft_model(model_dir: str, seed: int):
