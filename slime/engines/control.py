@@ -330,6 +330,11 @@ class _Calls:
         return self._call(Route.UNLOAD_LORA_ADAPTER, json={"lora_name": lora_name})
 
 
+# The run's engines, adapters and router are never reached through an http(s)_proxy of the
+# environment (urllib's default opener would; aiohttp sessions ignore it unless trust_env=True)
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class EngineControl(_Calls):
     """Blocking client of one engine (or a router in front of engines) at `url`.
 
@@ -365,7 +370,7 @@ class EngineControl(_Calls):
         while True:
             req = urllib.request.Request(full, data=data, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with _NO_PROXY_OPENER.open(req, timeout=self.timeout) as resp:
                     return _decode_body(resp.read())
             except urllib.error.HTTPError as e:
                 err = _http_error(self.base_url, method, path, e.code, e.read() if e.fp is not None else b"")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from slime.engines.control import EngineControl, EngineError, RouterControl, normalize_url, wait_until_healthy
 from slime.utils.errors import RunFailure, SlimeConfigError
-from slime.utils.net import free_port, node_address
+from slime.utils.net import free_port, node_address, without_proxies
 from slime.utils.processes import die_with_parent, stop_process_group
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def start_router(log_path: str | Path, request_timeout: float, api_key: str | No
     cmd = router_command(host, port, free_port(host), request_timeout, api_key)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=die_with_parent, env=dict(os.environ, NO_COLOR="1"))
+                                preexec_fn=die_with_parent, env=dict(without_proxies(os.environ), NO_COLOR="1"))
     router = RouterProcess(proc, f"http://{host}:{port}", log_path)
     try:
         wait_until_healthy(router.url, startup_timeout, process=proc, poll_interval=0.2)

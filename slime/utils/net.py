@@ -7,6 +7,15 @@ import sys
 
 LOOPBACK = "127.0.0.1"
 
+# proxy settings of the environment (either case): slime's servers (engines, adapters, the router)
+# are the run's own, on its nodes, and are never reached through a proxy
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy")
+
+
+def without_proxies(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` without its proxy settings, for a process that talks only to the run's servers."""
+    return {k: v for k, v in environ.items() if k.lower() not in PROXY_VARIABLES}
+
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that is free on `host` right now (the OS picks it; the caller binds it next)."""

@@ -267,3 +267,22 @@ def test_client_against_native_engine(native_server):
     assert all(len(o["output_ids"]) == 6 and len(o["meta_info"]["output_token_logprobs"]) == 6 for o in outs)
     assert err.status == 400 and "sampling_params.top_p" in str(err) and native_server in str(err)
     assert info["is_generation"] is True
+
+
+def test_clients_ignore_proxies_of_the_environment(fake, monkeypatch):
+    """A proxy in the environment (here one that refuses connections) does not reroute calls to the
+    run's servers: urllib's default opener would go through it."""
+    import urllib.error
+    import urllib.request
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, dead)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(urllib.error.URLError):  # the bad case: the environment's proxy is used
+        urllib.request.urlopen(fake.url + "/health", timeout=5)
+    assert EngineControl(fake.url, timeout=5).health() == {"status": "ok"}
+    wait_until_healthy(fake.url, timeout=5)
+    c = AsyncEngineControl(fake.url, timeout=5, max_retries=0)
+    assert asyncio.run(_and_close(c, c.health())) == {"status": "ok"}

@@ -143,6 +143,29 @@ def test_removed_engine_gets_no_requests_and_comes_back(two_engines, router):
     assert after[1] > mid[1] and (after[0] - mid[0]) + (after[1] - mid[1]) == 16
 
 
+def test_router_ignores_proxies_of_the_environment(two_engines, tmp_path, monkeypatch):
+    """With a proxy in the environment (one that refuses connections), the router slime starts and
+    the clients that talk to it and to the engines still reach them directly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    r = start_router(tmp_path / "router.log", request_timeout=60, api_key=env_api_key())
+    try:
+        RouterAdmin(r.url).add(two_engines[0], timeout=30)
+
+        async def run():
+            pool = EnginePool(two_engines[:1], timeout=60, router_url=r.url, concurrency=2)
+            outs = await asyncio.gather(*(pool.generate(_payload(i, 4)) for i in range(4)))
+            await pool.close()
+            return outs
+
+        assert [len(o["output_ids"]) for o in asyncio.run(run())] == [4, 4, 4, 4]
+    finally:
+        r.stop()
+
+
 def test_bad_router_address_is_a_clear_error():
     port = free_port()  # nothing listens there
     with pytest.raises(RouterError, match=rf"--sglang-router-ip 127\.0\.0\.1 --sglang-router-port {port}: "
