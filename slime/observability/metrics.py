@@ -4,6 +4,10 @@ Each `log` call appends one JSON object and flushes it to disk, so a crashed run
 keeps every record written before the crash. Training records carry the rollout's
 metrics; evaluation records carry `eval/*` metrics and `trained_rollouts` (how
 many rollouts had been trained on when the eval ran).
+
+Every line is valid JSON: a non-finite value is written as the string "NaN", "Infinity" or
+"-Infinity" (TensorBoard skips it; wandb gets the float), and a last line a crash cut short is
+moved into `metrics.partial-<n>.jsonl` before the next run appends (nothing written is lost).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class MetricsLogger:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
+        set_aside_partial_line(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -58,7 +63,7 @@ class MetricsLogger:
         return cls(args.output_dir, tensorboard=args.use_tensorboard, wandb_config=wandb_config)
 
     def log(self, step: int, record: dict) -> None:
-        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        self._file.write(json.dumps(json_safe(record), sort_keys=False, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
         if self._tb is not None:
@@ -75,6 +80,46 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def json_safe(value):
+    """`value` with every non-finite float (in dicts and lists too) as the string JSON readers
+    know it by: "NaN", "Infinity", "-Infinity" (json.dumps would write bare NaN: not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else _NON_FINITE[value]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def set_aside_partial_line(path: Path) -> Path | None:
+    """A last line without its newline (a crash during a write) is moved from `path` into
+    `metrics.partial-<n>.jsonl`, so the next record starts a line of its own and the file stays
+    one JSON object per line. Returns the side file, or None when the file ends cleanly."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return None
+        f.seek(0)
+        data = f.read()
+        cut = data.rfind(b"\n") + 1
+        k = 1
+        while (side := path.with_name(f"metrics.partial-{k}.jsonl")).exists():
+            k += 1
+        side.write_bytes(data[cut:] + b"\n")
+        with open(side, "rb") as s:
+            os.fsync(s.fileno())
+        f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+    return side
 
 
 def set_aside_rerun_records(path: Path, start_rollout_id: int) -> Path | None:

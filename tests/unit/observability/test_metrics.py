@@ -74,3 +74,24 @@ def test_wandb_key_team_and_host_reach_wandb_and_the_key_stays_out_of_the_config
     assert calls["login"] == {"key": "secret-key-123", "host": "http://127.0.0.1:9", "relogin": True}
     assert calls["init"]["entity"] == "rl-team"
     assert "wandb_key" not in calls["init"]["config"] and "secret-key-123" not in str(calls["init"]["config"])
+
+
+def test_every_line_is_json_non_finite_values_and_a_line_cut_by_a_crash(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = MetricsLogger(tmp_path, tensorboard=False)
+    first.log(0, {"rollout_id": 0, "train/loss": float("nan"), "train/grad_norm": float("inf"),
+                  "nested": [1.0, float("-inf")]})
+    first.close()
+    with open(path, "a") as f:  # a crash in the middle of the next write
+        f.write('{"rollout_id": 1, "train/lo')
+    second = MetricsLogger(tmp_path, tensorboard=False)
+    second.log(1, {"rollout_id": 1, "train/loss": 0.5})
+    second.close()
+    lines = path.read_text().splitlines()
+    recs = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in {line}")) for line in lines]
+    assert recs == [{"rollout_id": 0, "train/loss": "NaN", "train/grad_norm": "Infinity",
+                     "nested": [1.0, "-Infinity"]},
+                    {"rollout_id": 1, "train/loss": 0.5}]
+    # nothing written is lost: the cut line is kept beside the file
+    assert (tmp_path / "metrics.partial-1.jsonl").read_text() == '{"rollout_id": 1, "train/lo\n'
+    assert MetricsLogger(tmp_path, tensorboard=False).close() is None and not (tmp_path / "metrics.partial-2.jsonl").exists()
