@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,16 +41,11 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def load_model_state(train_state: Path) -> dict:
     """The model part of a DCP directory as full tensors, read in this process (no process group)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from slime.utils.checkpoint_data import dcp_to_dict
 
     if not train_state.is_dir():
         raise SlimeError(f"{train_state} does not exist (was the checkpoint written by slime --save?)")
-    with tempfile.TemporaryDirectory() as tmp:
-        flat = Path(tmp) / "state.pt"
-        dcp_to_torch_save(str(train_state), str(flat))
-        state = torch.load(flat, map_location="cpu", weights_only=False)
-    return state["model"]
+    return dcp_to_dict(train_state)["model"]
 
 
 def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | Path | None = None,

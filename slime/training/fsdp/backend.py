@@ -54,6 +54,7 @@ from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
+from slime.utils.checkpoint_data import dcp_load
 from slime.utils.dist import init_process_group
 from slime.utils.net import node_address
 
@@ -488,7 +489,7 @@ class FSDPBackend(StepTail):
             raise FileNotFoundError(f"no training state at {state_dir}")
         msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_options)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(state_dir))
+        dcp_load(state, state_dir)  # data only: no pickle in the checkpoint runs code (slime.utils.checkpoint_data)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=self._state_options)
         if self.world_size > 1:

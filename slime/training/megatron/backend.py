@@ -51,6 +51,7 @@ from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.training.megatron import shims
 from slime.training.megatron.model import build_model
+from slime.utils.checkpoint_data import load_tensors_file
 from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
@@ -384,7 +385,7 @@ class MegatronBackend(StepTail):
         if saved_tp != self.tp:
             raise SlimeConfigError(f"{state_dir} was saved with --tensor-model-parallel-size {saved_tp}, "
                                    f"this run has {self.tp}; resume with the same size (or start from {path}/hf)")
-        state = torch.load(state_dir / f"tp_{self.tp_rank:02d}.pt", map_location=self.device, weights_only=False)
+        state = load_tensors_file(state_dir / f"tp_{self.tp_rank:02d}.pt", map_location=self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         if self.world_size > 1:
