@@ -41,9 +41,13 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
-    stop_text_pos: int | None = None  # where the matched stop string starts in the decoded text
     aborted: bool = False
     done: bool = False
+    # stop strings: the output's text, decoded incrementally (each token decodes a few tokens, not
+    # the whole output): text so far, and the token offsets of the last decode's context and end
+    _text: str = ""
+    _prefix_offset: int = 0
+    _read_offset: int = 0
 
     def add_token(self, t: int, eos_token_ids: set[int], max_context_length: int, tokenizer) -> None:
         """Append a sampled token (its log-prob is already in `logprobs`) and apply the finish
@@ -61,20 +65,38 @@ class Request:
         elif not sp.ignore_eos and (t in eos_token_ids or t in sp.stop_token_ids):
             self.finish = finish_stop(t)
         elif sp.stop:
-            text = tokenizer.decode(self.output_ids, skip_special_tokens=sp.skip_special_tokens)
-            best = None
-            for s in sp.stop:
-                k = text.find(s)
-                if k >= 0 and (best is None or k < best[0]):
-                    best = (k, s)
-            if best is not None:
-                self.stop_text_pos = best[0]
-                self.finish = finish_stop(best[1])
+            matched = self._match_stop(sp.stop, tokenizer, sp.skip_special_tokens)
+            if matched is not None:
+                self.finish = finish_stop(matched)
         if self.finish is None and self.on_token is not None:
             try:
                 self.on_token([t], self.logprobs[len(self.output_ids) - 1 : len(self.output_ids)])
             except Exception:  # noqa: BLE001 - a streamer's bug must not fail the batch
                 logger.exception("on_token hook failed")
+
+    def _match_stop(self, stops: list[str], tokenizer, skip_special_tokens: bool) -> str | None:
+        """The stop string that the newest token completes (the one starting first), or None.
+
+        The text grows by what the new token adds: the tokens since the previous decode's context
+        decoded with and without it (as vLLM detokenizes incrementally; a token that ends inside a
+        multi-byte character adds nothing until the character is whole, so a stop string right
+        before such a token matches once the character completes, as in SGLang's and vLLM's
+        detokenizers), and only the tail that could hold a newly completed stop string is searched."""
+        ids = self.output_ids
+        before = tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip_special_tokens)
+        after = tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=skip_special_tokens)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return None
+        new = after[len(before) :]
+        self._text += new
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        start = max(0, len(self._text) - len(new) - max(len(s) for s in stops) + 1)
+        best = None
+        for s in stops:
+            k = self._text.find(s, start)
+            if k >= 0 and (best is None or k < best[0]):
+                best = (k, s)
+        return best[1] if best is not None else None
 
     def complete(self, finish: dict, weight_version: str, tokenizer) -> None:
         """Build the result (text trimmed at a matched stop unless no_stop_trim) and call the
@@ -92,8 +114,8 @@ class Request:
             if isinstance(matched, int) and finish["type"] == "stop" and not sp.no_stop_trim and ids:
                 text_ids = ids[:-1]
             text = tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens) if text_ids else ""
-            if isinstance(matched, str) and not sp.no_stop_trim and self.stop_text_pos is not None:
-                text = text[: self.stop_text_pos]
+            if isinstance(matched, str) and not sp.no_stop_trim and matched in text:
+                text = text[: text.find(matched)]  # the output decoded once, cut where the stop string starts
             res = GenerationResult(
                 rid=self.rid,
                 output_ids=list(ids),
