@@ -19,9 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-import ray
-
 from slime.utils.errors import RunFailure
+from slime.utils.ray_calls import get
 
 LATEST = "latest"
 
@@ -48,7 +47,7 @@ def save(args, rollout_id: int, actor, rollout_manager) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir()
     actor.save(str(tmp))
-    state = ray.get(rollout_manager.state_dict.remote())
+    state = get(rollout_manager.state_dict.remote(), "save", "RolloutManager", args.stage_timeout)
     _write_atomic(tmp / "rollout_state.json", json.dumps(state))
     _write_atomic(tmp / "meta.json", json.dumps({"rollout_id": rollout_id}))
     if final.exists():  # re-saving the same rollout id (e.g. a resumed run)
@@ -78,7 +77,8 @@ def load(args, actor, rollout_manager) -> int:
         print(f"slime: no checkpoint in {args.load} yet; starting from --hf-checkpoint")
         return 0
     actor.load(str(path))
-    ray.get(rollout_manager.load_state_dict.remote(json.loads((path / "rollout_state.json").read_text())))
+    get(rollout_manager.load_state_dict.remote(json.loads((path / "rollout_state.json").read_text())), "resume",
+        "RolloutManager", args.stage_timeout)
     rollout_id = json.loads((path / "meta.json").read_text())["rollout_id"]
     print(f"slime: resumed from {path} (rollout {rollout_id})")
     return rollout_id + 1

@@ -25,7 +25,7 @@ from slime import checkpoint
 from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
 from slime.ray.actor_group import NoTraining, TrainGroup
-from slime.ray.calls import get
+from slime.utils.ray_calls import get
 from slime.rollout.manager import RolloutManager
 
 
@@ -48,7 +48,7 @@ class Run:
         self.actor.init()
         self.engine_urls = get(rollout_ready, "start-up", "RolloutManager", args.stage_timeout)
         if args.use_fault_tolerance and self.engine_urls:  # a restarted engine gets the trainer's weights
-            ray.get(self.rollout.attach_trainer.remote(self.actor))
+            get(self.rollout.attach_trainer.remote(self.actor), "start-up", "RolloutManager", args.stage_timeout)
         self.start_rollout_id = checkpoint.load(args, self.actor, self.rollout)
         self.logger = MetricsLogger.from_args(args, self.start_rollout_id)
         self.handoff: dict[str, float] = {}  # --colocate: memory and times of the last turns
@@ -109,7 +109,8 @@ class Run:
         start = time.perf_counter()
         if self.engine_urls:
             if self.args.use_fault_tolerance:  # never push into a half-restarted engine
-                ray.get(self.rollout.wait_for_engines.remote())
+                get(self.rollout.wait_for_engines.remote(), "engine restart", "RolloutManager",
+                    self.args.stage_timeout)
             if self._colocated():  # released weights come back before they are overwritten
                 get(self.rollout.onload_weights.remote(), "engine memory resume", "RolloutManager",
                     self.args.stage_timeout)
@@ -117,7 +118,8 @@ class Run:
             self.handoff.update({f"weights/{k}": float(stats[k]) for k in ("buckets", "bytes") if k in stats})
             if self.args.check_weight_update_equal:
                 self.actor.check_weights(self.engine_urls)
-            ray.get(self.rollout.set_weight_version.remote(version))
+            get(self.rollout.set_weight_version.remote(version), "weight push", "RolloutManager",
+                self.args.stage_timeout)
         elapsed = time.perf_counter() - start
         self.before_generate()
         return elapsed
@@ -153,4 +155,4 @@ class Run:
     def close(self) -> None:
         self.logger.close()
         self.actor.shutdown()  # first: it leaves the engines' weight-update group while they still run
-        ray.get(self.rollout.shutdown.remote())
+        get(self.rollout.shutdown.remote(), "shutdown", "RolloutManager", self.args.stage_timeout)

@@ -38,10 +38,12 @@ from slime.engines.health import HealthMonitor
 from slime.engines.kinds import POLICY_LORA_NAME, engine_kind
 from slime.engines.launcher import EngineServer
 from slime.engines.router import RouterAdmin, connect_router, start_router
+from slime.utils.ray_calls import get
 
 logger = logging.getLogger(__name__)
 
 FT_MAX_ATTEMPTS = 10  # tries of one request under --use-fault-tolerance
+SHUTDOWN_TIMEOUT_S = 60  # an engine's stop: SIGTERM to its process group, SIGKILL after 10 s
 
 
 def _retryable(e: EngineError) -> bool:
@@ -177,7 +179,9 @@ class EngineFleet:
             if self.placement is not None:
                 opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
             self.servers.append(server_cls.options(**opts).remote(args, rank))
-        self.urls = ray.get([s.start.remote() for s in self.servers])
+        starts = [s.start.remote() for s in self.servers]  # in parallel; each bounded (its health wait and more)
+        self.urls = [get(ref, "engine start-up", f"EngineServer {rank}", args.engine_startup_timeout + 60)
+                     for rank, ref in enumerate(starts)]
         log_path = Path(args.output_dir) / "logs" / "router.log"
         if args.sglang_router_ip is not None:
             router_url = connect_router(args.sglang_router_ip, args.sglang_router_port)
@@ -221,7 +225,9 @@ class EngineFleet:
                 except Exception:  # noqa: BLE001 - shutting down
                     pass
         self.router = self.router_process = None
-        ray.get([s.shutdown.remote() for s in self.servers])
+        stops = [s.shutdown.remote() for s in self.servers]
+        for rank, ref in enumerate(stops):
+            get(ref, "shutdown", f"EngineServer {rank}", SHUTDOWN_TIMEOUT_S)
         self.servers = []
 
     # ------------------------------------------------------------ generation (on the rollout loop)
@@ -283,4 +289,4 @@ class EngineFleet:
         return list(self.monitor.events) if self.monitor is not None else []
 
     def pids(self) -> list[int | None]:
-        return ray.get([s.pid.remote() for s in self.servers])
+        return [get(s.pid.remote(), "engine pids", f"EngineServer {rank}", 30) for rank, s in enumerate(self.servers)]

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.ray.calls import first_line
+from slime.utils.ray_calls import first_line
 from slime.training.actor import TrainActor
 from slime.utils.errors import RunFailure, SlimeError
 from slime.utils.threads import cpu_threads
@@ -89,7 +89,7 @@ class TrainGroup:
             ref = ready[0]
             rank = rank_of[ref]
             try:
-                results[rank] = ray.get(ref)
+                results[rank] = ray.get(ref, timeout=timeout)  # ready: bounded for the transfer alone
             except RayActorError as e:
                 raise TrainGroupError(f"{self.role} rank {rank}: died during {method} ({first_line(e)})") from None
             except Exception as e:  # noqa: BLE001 - re-raised with the rank

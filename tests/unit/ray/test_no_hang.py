@@ -6,7 +6,7 @@ import time
 import pytest
 import ray
 
-from slime.ray.calls import get
+from slime.utils.ray_calls import get
 from slime.utils.errors import RunFailure
 from tests.helpers.args import make_args
 
@@ -103,3 +103,61 @@ def test_engine_failure_inside_an_actor_names_stage_and_actor(ray_session):
     with pytest.raises(RunFailure, match=r"^rollout 2: RolloutManager: .*http://127\.0\.0\.1:9") as e:
         get(Caller.remote().call_dead_engine.remote(), "rollout 2", "RolloutManager", timeout=60)
     assert "\n" not in str(e.value)
+
+
+@ray.remote(num_cpus=0)
+class StuckManager:
+    """A RolloutManager whose calls never return."""
+
+    def state_dict(self):
+        time.sleep(3600)
+
+    def load_state_dict(self, state):
+        time.sleep(3600)
+
+
+class _NoTrain:
+    def save(self, path):
+        pass
+
+    def load(self, path):
+        pass
+
+
+def test_save_and_resume_waits_are_bounded_and_named(ray_session, tmp_path):
+    from types import SimpleNamespace
+
+    from slime import checkpoint
+
+    args = SimpleNamespace(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), stage_timeout=2)
+    manager = StuckManager.remote()
+    t0 = time.monotonic()
+    with pytest.raises(RunFailure, match=r"^save: RolloutManager did not finish within 2 s \(--stage-timeout\)"):
+        checkpoint.save(args, 0, _NoTrain(), manager)
+    assert not (tmp_path / "ckpt" / checkpoint.LATEST).exists()  # nothing claims a checkpoint
+    ckpt = tmp_path / "ckpt" / "rollout_000000"
+    (tmp_path / "ckpt" / ".tmp-rollout_000000").rename(ckpt)
+    (ckpt / "meta.json").write_text('{"rollout_id": 0}')
+    (ckpt / "rollout_state.json").write_text("{}")
+    (tmp_path / "ckpt" / checkpoint.LATEST).write_text("rollout_000000\n")
+    with pytest.raises(RunFailure, match=r"^resume: RolloutManager did not finish within 2 s"):
+        checkpoint.load(args, _NoTrain(), manager)
+    assert time.monotonic() - t0 < 30
+    ray.kill(manager)
+
+
+def test_every_ray_get_in_slime_is_bounded():
+    """slime waits on actors through slime.utils.ray_calls.get (a stage, an actor, a timeout) or with
+    a timeout of its own: no ray.get without one."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "slime"
+    bare = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ray"
+                    and not any(k.arg == "timeout" for k in node.keywords)):
+                bare.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert bare == [], bare
