@@ -15,8 +15,6 @@ rollout log-probs (--use-tis); --max-staleness bounds the lag.
 
 import time
 
-import ray
-
 from slime import checkpoint
 from slime.arguments import parse_args
 from slime.driver import Run
@@ -50,9 +48,9 @@ def main() -> None:
 
             if (rollout_id + 1) % args.update_weights_interval == 0 or last:
                 if args.fully_async:  # requests stay in flight: hold them while the weights change
-                    ray.get(run.rollout.pause_generation.remote())
+                    run.pause_generation()
                     record["perf/update_weights_time"] = run.push_weights(rollout_id + 1)
-                    ray.get(run.rollout.continue_generation.remote(rollout_id + 1))
+                    run.continue_generation(rollout_id + 1)
                 else:  # weights never change under a request: let the generation under way finish first
                     if next_generation is not None:
                         wait_start = time.perf_counter()

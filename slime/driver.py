@@ -73,6 +73,15 @@ class Run:
         return get(ref, f"rollout {rollout_id}", "RolloutManager", self.args.stage_timeout,
                    progress=self.rollout.progress.remote)
 
+    def pause_generation(self) -> None:
+        """--fully-async: hold the requests in flight (the engines keep their state) while the weights change."""
+        get(self.rollout.pause_generation.remote(), "pause generation", "RolloutManager", self.args.stage_timeout)
+
+    def continue_generation(self, version: int) -> None:
+        """Resume the held requests, now under policy `version`."""
+        get(self.rollout.continue_generation.remote(version), "continue generation", "RolloutManager",
+            self.args.stage_timeout)
+
     def _colocated(self) -> bool:
         return bool(self.args.colocate and self.engine_urls and hasattr(self.actor, "offload"))
 
