@@ -38,6 +38,7 @@ import aiohttp
 
 from slime.engines.auth import bearer, env_api_key
 from slime.utils.errors import RunFailure
+from slime.utils.processes import listens_on
 
 
 class EngineError(RunFailure, RuntimeError):
@@ -565,10 +566,16 @@ class RouterControl(EngineControl):
             self._call(Route.ROUTER_REMOVE_WORKER, path_args={"worker_id": worker_id})
 
 
+class ForeignListener(EngineError):
+    """The server answering on a port is not the process that was started for it."""
+
+
 def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | None = None,
                        poll_interval: float = 0.25) -> None:
     """Poll GET /health until it answers 200. Raises EngineError naming the URL when the timeout
-    expires, or at once (with its exit code) when `process` exits first."""
+    expires, or at once (with its exit code) when `process` exits first. With `process`, the
+    answer must come from it: a 200 from another process listening on the port (one that took the
+    port first) is a ForeignListener."""
     base = normalize_url(url)
     deadline = time.monotonic() + timeout
     last = "no answer yet"
@@ -586,7 +593,12 @@ def wait_until_healthy(url: str, timeout: float, process: subprocess.Popen | Non
                               url=base, endpoint=Route.HEALTH.path)
         try:
             EngineControl(base, timeout=max(0.1, min(5.0, remaining))).health()
-            return
         except EngineError as e:
             last = str(e)
+        else:
+            port = urllib.parse.urlsplit(base).port
+            if process is None or port is None or listens_on(process, port) is not False:
+                return
+            raise ForeignListener(f"{base} answers, but not from the server started for it (pid {process.pid}): "
+                                  f"another process listens on port {port}", url=base, endpoint=Route.HEALTH.path)
         time.sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from slime.engines.auth import API_KEY_ENV
-from slime.engines.control import wait_until_healthy
+from slime.engines.control import ForeignListener, wait_until_healthy
 from slime.engines.kinds import engine_kind
 from slime.utils.net import cluster_addresses, free_port, node_address
 from slime.utils.processes import die_with_parent, kill_process_group, stop_process_group
@@ -35,8 +35,17 @@ class EngineServer:
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
 
-    def start(self) -> str:
-        return self._launch(free_port(node_address()))
+    def start(self, attempts: int = 3) -> str:
+        """Launch on a free port of this node; when another process takes the port before the
+        engine binds it (the engine then fails to bind), launch again on another."""
+        for attempt in range(attempts):
+            try:
+                return self._launch(free_port(node_address()))
+            except ForeignListener as e:
+                if attempt + 1 == attempts:
+                    raise RuntimeError(f"engine {self.rank} did not start: {e}") from None
+                logger.warning("engine %d: %s; launching on another port", self.rank, e)
+        raise AssertionError("unreachable")
 
     def _launch(self, port: int) -> str:
         host = node_address()
@@ -54,6 +63,9 @@ class EngineServer:
         self.url = f"http://{host}:{port}"
         try:
             wait_until_healthy(self.url, timeout=self.args.engine_startup_timeout, process=self.process)
+        except ForeignListener:
+            self.shutdown()
+            raise
         except Exception as e:
             tail = log_path.read_text(errors="replace")[-2000:]
             self.shutdown()

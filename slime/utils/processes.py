@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 
+import psutil
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -44,3 +46,25 @@ def kill_process_group(process: subprocess.Popen | None, timeout: float = 30.0) 
     except ProcessLookupError:
         pass
     process.wait(timeout=timeout)
+
+
+def listens_on(process: subprocess.Popen, port: int) -> bool | None:
+    """Whether `process` or one of its descendants has a TCP socket listening on `port`: True,
+    False, or None when the system does not say (no access to a process's sockets)."""
+    try:
+        root = psutil.Process(process.pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    unknown = False
+    for p in tree:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied:
+            unknown = True
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return None if unknown else False

@@ -280,9 +280,41 @@ def test_clients_ignore_proxies_of_the_environment(fake, monkeypatch):
         monkeypatch.setenv(name, dead)
     for name in ("no_proxy", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(urllib.error.URLError):  # the bad case: the environment's proxy is used
-        urllib.request.urlopen(fake.url + "/health", timeout=5)
+    with pytest.raises(urllib.error.URLError):  # the bad case: a default opener uses the environment's proxy
+        urllib.request.build_opener().open(fake.url + "/health", timeout=5)
     assert EngineControl(fake.url, timeout=5).health() == {"status": "ok"}
     wait_until_healthy(fake.url, timeout=5)
     c = AsyncEngineControl(fake.url, timeout=5, max_retries=0)
     assert asyncio.run(_and_close(c, c.health())) == {"status": "ok"}
+
+
+def test_health_wait_refuses_a_foreign_server_on_the_port(fake):
+    """The process started for a port is not the one answering on it (another took the port first):
+    a ForeignListener naming the port, not a healthy engine."""
+    from slime.engines.control import ForeignListener
+
+    port = int(fake.url.rsplit(":", 1)[1])
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(ForeignListener, match=rf"{fake.url} answers, but not from the server started for it "
+                                                  rf"\(pid {ours.pid}\): another process listens on port {port}"):
+            wait_until_healthy(fake.url, timeout=5, process=ours)
+    finally:
+        ours.kill()
+        ours.wait()
+
+
+def test_health_wait_accepts_the_started_server():
+    port = free_port()
+    code = ("import http.server as h\n"
+            "class H(h.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.send_header('Content-Type', 'application/json'); self.end_headers()\n"
+            "        self.wfile.write(b'{}')\n"
+            f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", timeout=20, process=proc)
+    finally:
+        proc.kill()
+        proc.wait()
