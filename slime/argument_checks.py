@@ -17,6 +17,7 @@ from transformers import AutoConfig
 
 from slime import model_flags, script_flags
 from slime.engines.kinds import engine_kind
+from slime.utils import checkpoint_files
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 
@@ -268,6 +269,33 @@ def validate_debug(args: Args) -> None:
         require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
         require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
         args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
+
+
+def check_checkpoint_dirs(args: Args) -> None:
+    """--load and --save before anything starts: a --load that does not exist (a typo would start
+    fresh) unless it is the --save directory (a run that resumes itself); a --save directory holding
+    checkpoints as new as this run's first save or newer (another run's: the first save would
+    replace them and move `latest` back) unless --overwrite-checkpoints."""
+    require(args.save_keep_last is None or args.save_keep_last >= 1,
+            f"--save-keep-last must be >= 1, got {args.save_keep_last}")
+    require(args.save_keep_last is None or args.save is not None, "--save-keep-last needs --save DIR")
+    same = args.load is not None and args.save is not None and Path(args.load).resolve() == Path(args.save).resolve()
+    if args.load is not None:
+        require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
+        require(Path(args.load).is_dir() or same,
+                f"--load: {args.load} does not exist (to start fresh, leave --load out or give the --save directory)")
+    if args.save is None or same or args.overwrite_checkpoints:
+        return
+    newest = checkpoint_files.complete_checkpoints(args.save)
+    if not newest:
+        return
+    resumed = checkpoint_files.latest(args.load) if args.load is not None else None
+    first_save = checkpoint_files.rollout_id_of(resumed) + 1 if resumed is not None else 0
+    newest_id, newest_path = newest[-1]
+    require(newest_id < first_save,
+            f"--save: {args.save} holds checkpoints of another run up to {newest_path.name}, as new as or newer than "
+            f"this run's first save (rollout {first_save}); resume it with --load {args.save}, choose another --save, "
+            "or pass --overwrite-checkpoints")
 
 
 def check_ref_load(args: Args) -> None:

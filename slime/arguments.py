@@ -21,6 +21,7 @@ from pathlib import Path
 
 from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-exported)
     POLICY_LOSS_OF_ESTIMATOR,
+    check_checkpoint_dirs,
     check_ref_load,
     require,
     validate_algorithm,
@@ -115,8 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--hf-checkpoint", required=True, help="Hugging Face model directory (weights, config, tokenizer)")
     g.add_argument("--load", default=None,
-                   help="checkpoint directory to resume from (written by --save); empty or missing: start fresh")
+                   help="checkpoint directory to resume from (written by --save); empty: start fresh; it must "
+                        "exist unless it is the --save directory")
     g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-keep-last", type=int, default=None,
+                   help="keep only the newest N checkpoints in --save (default: all)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let a run save into a --save directory whose checkpoints are as new as or newer "
+                        "than its own (another run's), instead of refusing to start")
     g.add_argument("--ref-load", default=None,
                    help="Hugging Face model directory of the KL reference model (default: --hf-checkpoint); same "
                         "vocabulary as the policy")
@@ -458,8 +465,7 @@ def validate(args: Args) -> Args:
     check_slime_paths(args)  # slime's own module paths that need another flag here
     if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
-    if args.load is not None:
-        require(not Path(args.load).is_file(), f"--load: {args.load} is a file, not a checkpoint directory")
+    check_checkpoint_dirs(args)
     require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
 

@@ -19,14 +19,32 @@ import os
 import shutil
 from pathlib import Path
 
+from slime.utils.checkpoint_files import LATEST, checkpoint_dir, complete_checkpoints, latest
 from slime.utils.errors import RunFailure
 from slime.utils.ray_calls import get
 
-LATEST = "latest"
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def checkpoint_dir(root: str | Path, rollout_id: int) -> Path:
-    return Path(root) / f"rollout_{rollout_id:06d}"
+def _fsync_tree(root: Path) -> None:
+    """Every file under `root`, then every directory (deepest first), on disk."""
+    dirs = [root]
+    for path in root.rglob("*"):
+        if path.is_dir():
+            dirs.append(path)
+        elif path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(d)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -36,36 +54,49 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def save(args, rollout_id: int, actor, rollout_manager) -> Path:
+    """Write `<save>/rollout_<id>/` under a temporary name, fsync every file and directory, rename
+    it into place, then move `latest` to it (also fsynced). A failure on the way (a full disk, a
+    rank that died) removes the temporary directory and leaves `latest` as it was."""
     root = Path(args.save)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, rollout_id)
     tmp = root / f".tmp-{final.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    actor.save(str(tmp))
-    state = get(rollout_manager.state_dict.remote(), "save", "RolloutManager", args.stage_timeout)
-    _write_atomic(tmp / "rollout_state.json", json.dumps(state))
-    _write_atomic(tmp / "meta.json", json.dumps({"rollout_id": rollout_id}))
+    try:
+        tmp.mkdir()
+        actor.save(str(tmp))
+        state = get(rollout_manager.state_dict.remote(), "save", "RolloutManager", args.stage_timeout)
+        _write_atomic(tmp / "rollout_state.json", json.dumps(state))
+        _write_atomic(tmp / "meta.json", json.dumps({"rollout_id": rollout_id}))
+        _fsync_tree(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise RunFailure(f"save to {final} failed ({e.strerror or e}); {root / LATEST} still names "
+                             f"{_named(root)}") from e
+        raise
     if final.exists():  # re-saving the same rollout id (e.g. a resumed run)
         shutil.rmtree(final)
     os.rename(tmp, final)
+    _fsync_dir(root)
     _write_atomic(root / LATEST, final.name + "\n")
+    if getattr(args, "save_keep_last", None):
+        for _, old in complete_checkpoints(root)[: -args.save_keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none yet."""
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{marker} names {path}, which is not a complete checkpoint")
-    return path
+def _named(root: Path) -> str:
+    try:
+        return (root / LATEST).read_text().strip() or "nothing"
+    except OSError:
+        return "nothing (no checkpoint yet)"
 
 
 def load(args, actor, rollout_manager) -> int:

@@ -134,9 +134,9 @@ def test_save_and_resume_waits_are_bounded_and_named(ray_session, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RunFailure, match=r"^save: RolloutManager did not finish within 2 s \(--stage-timeout\)"):
         checkpoint.save(args, 0, _NoTrain(), manager)
-    assert not (tmp_path / "ckpt" / checkpoint.LATEST).exists()  # nothing claims a checkpoint
+    assert list((tmp_path / "ckpt").iterdir()) == []  # no latest, no temporary directory left
     ckpt = tmp_path / "ckpt" / "rollout_000000"
-    (tmp_path / "ckpt" / ".tmp-rollout_000000").rename(ckpt)
+    (ckpt / "train_state").mkdir(parents=True)
     (ckpt / "meta.json").write_text('{"rollout_id": 0}')
     (ckpt / "rollout_state.json").write_text("{}")
     (tmp_path / "ckpt" / checkpoint.LATEST).write_text("rollout_000000\n")
