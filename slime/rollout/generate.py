@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 
 from slime.rollout.api import continue_sample
 from slime.rollout.rewards import RewardFunction
@@ -66,8 +67,8 @@ def scalar_reward(reward, reward_key: str | None):
 
 
 async def score(reward: RewardFunction, args, sample: Sample) -> Sample:
-    """Reward one sample; a reward function that raises, times out (`--rm-timeout`) or returns NaN
-    marks it FAILED. A dict reward is kept in `sample.reward_dict` and its `--reward-key` entry
+    """Reward one sample; a reward function that raises, times out (`--rm-timeout`) or returns a
+    value that is not finite (NaN, inf, -inf) marks it FAILED. A dict reward is kept in `sample.reward_dict` and its `--reward-key` entry
     becomes `sample.reward`."""
     try:
         value = await asyncio.wait_for(reward(args, sample), timeout=args.rm_timeout)
@@ -78,7 +79,8 @@ async def score(reward: RewardFunction, args, sample: Sample) -> Sample:
 
 async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> list[Sample]:
     """Reward a whole group with one call (`--group-rm`); it must return one value per sample. A
-    call that fails marks every sample of the group FAILED; a NaN marks its own sample only."""
+    call that fails marks every sample of the group FAILED; a value that is not finite marks its own
+    sample only."""
     try:
         values = await asyncio.wait_for(reward(args, samples), timeout=args.rm_timeout)
         values = list(values)
@@ -95,8 +97,8 @@ def _set_reward(sample: Sample, value, reward_key: str | None) -> Sample:
     value, sample.reward_dict = scalar_reward(value, reward_key)
     try:
         value = float(value)
-        if value != value:
-            raise ValueError("reward is NaN")
+        if not math.isfinite(value):  # NaN, or +-inf: one would turn its group's advantages into NaN
+            raise ValueError(f"reward is {value}")
     except Exception as e:
         return _failed(sample, e)
     sample.reward = value

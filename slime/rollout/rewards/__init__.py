@@ -7,7 +7,7 @@ Every reward is called the same way, through `RewardFunction`:
 A sync function runs in a worker thread. The rule-based built-ins `fn(response, label) -> float`
 (`REWARD_FUNCTIONS`; gpqa also takes the sample's metadata) are wrapped to that signature; a
 `boxed_` prefix on their names grades only the response's last `\\boxed{}` content. The accepted
-and refused names are in `slime.rollout.rewards.names`. Failures (raise, timeout, NaN) are handled
+and refused names are in `slime.rollout.rewards.names`. Failures (raise, timeout, NaN, ±inf) are handled
 by `slime.rollout.generate.score`: the sample is marked FAILED, counted and kept out of the loss.
 """
 

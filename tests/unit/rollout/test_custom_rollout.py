@@ -130,6 +130,20 @@ def test_group_reward_and_sync_or_async_functions(tiny_model_dir, tmp_path):
                                   [Sample(response=""), Sample(response="a")]))
     assert [s.status for s in out] == [SampleStatus.FAILED, SampleStatus.PENDING] and out[1].reward == 1.0
 
+    def infinite(args, samples):  # a remote RM's JSON `Infinity` parses to the same float
+        return [float("inf"), 0.0, float("-inf"), 1.0]
+
+    out = asyncio.run(score_group(RewardFunction(infinite, group=True), args,
+                                  [Sample(index=i, group_index=0) for i in range(4)]))
+    assert [s.status for s in out] == [SampleStatus.FAILED, SampleStatus.PENDING, SampleStatus.FAILED,
+                                       SampleStatus.PENDING]
+    # the group's normalized rewards stay finite: the failed ones get 0, the others are normalized alone
+    from slime.rollout.train_data import train_rewards
+
+    rewards = train_rewards(args, out, None)
+    assert rewards[0] == rewards[2] == 0.0 and rewards[1] < 0 < rewards[3]
+    assert all(r == r and abs(r) < 10 for r in rewards)
+
     def wrong_length(args, samples):
         return [1.0]
 
