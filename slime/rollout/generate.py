@@ -71,7 +71,7 @@ async def score(reward: RewardFunction, args, sample: Sample) -> Sample:
     value that is not finite (NaN, inf, -inf) marks it FAILED. A dict reward is kept in `sample.reward_dict` and its `--reward-key` entry
     becomes `sample.reward`."""
     try:
-        value = await asyncio.wait_for(reward(args, sample), timeout=args.rm_timeout)
+        value = await asyncio.wait_for(reward(args, sample), timeout=reward.time_limit(args.rm_timeout))
     except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
         return _failed(sample, e)
     return _set_reward(sample, value, args.reward_key)
@@ -82,7 +82,7 @@ async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> li
     call that fails marks every sample of the group FAILED; a value that is not finite marks its own
     sample only."""
     try:
-        values = await asyncio.wait_for(reward(args, samples), timeout=args.rm_timeout)
+        values = await asyncio.wait_for(reward(args, samples), timeout=reward.time_limit(args.rm_timeout))
         values = list(values)
         if len(values) != len(samples):
             raise ValueError(f"the group reward returned {len(values)} values for {len(samples)} samples")

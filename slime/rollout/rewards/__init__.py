@@ -83,6 +83,12 @@ class RewardFunction:
         self.group = group
         self.name = name or getattr(fn, "__name__", "reward")
 
+    def time_limit(self, rm_timeout: float) -> float:
+        """The bound of one whole scoring call: `--rm-timeout`, or for a function that times its own
+        attempts (the remote RM: `--rm-timeout` each) the bound of all its attempts and waits."""
+        total = getattr(self.fn, "total_timeout", None)
+        return total if total is not None else rm_timeout
+
     async def __call__(self, args, arg):
         if inspect.iscoroutinefunction(self.fn):
             return await self.fn(args, arg)

@@ -96,6 +96,25 @@ def test_remote_reward_retries_then_fails_the_sample_never_scores_zero(tiny_mode
     assert d.reward == 1.0 and d.reward_dict == {"acc": 1.0, "format": 0.5}
 
 
+def test_rm_timeout_bounds_each_attempt_and_the_retries_happen(tiny_model_dir, tmp_path):
+    """Through the parser: --rm-timeout is each attempt's bound, so an attempt that times out is
+    retried (the whole call is bounded by all attempts), and the sample fails after the last."""
+    from slime.rollout.rewards import build_reward
+
+    async def run(url, server):
+        args = _args(tiny_model_dir, tmp_path, "--rm-url", url + "/slow", "--rm-timeout", "0.4",
+                     "--rm-max-retries", "2")
+        reward = build_reward(args)
+        assert reward.time_limit(args.rm_timeout) == pytest.approx(3 * 0.4 + 0.5 + 1.0 + 1.0)
+        t0 = asyncio.get_running_loop().time()
+        out = await score(reward, args, Sample(prompt="q", response="4", label="4"))
+        return server.calls, out, asyncio.get_running_loop().time() - t0
+
+    calls, out, seconds = asyncio.run(_with_server(run))
+    assert calls["/slow"] == 3 and out.status == SampleStatus.FAILED and out.reward is None
+    assert 3 * 0.4 + 1.5 <= seconds < 3 * 0.4 + 1.5 + 1.0  # three timed-out attempts and two backoffs
+
+
 def test_rm_flags(tiny_model_dir, tmp_path):
     a = _args(tiny_model_dir, tmp_path, "--rm-url", "http://127.0.0.1:9/score")
     assert a.rm_type == "remote_rm"
