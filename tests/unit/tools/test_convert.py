@@ -25,6 +25,7 @@ SAVE = textwrap.dedent("""
     actor.init()
     actor.save(ckpt + "/rollout_000000")
     open(ckpt + "/rollout_000000/meta.json", "w").write(json.dumps({"rollout_id": 0}))
+    open(ckpt + "/rollout_000000/rollout_state.json", "w").write("{}")  # a checkpoint's whole layout
     open(ckpt + "/latest", "w").write("rollout_000000\\n")
     actor.shutdown()
 """)
