@@ -107,9 +107,10 @@ def load(args, actor, rollout_manager) -> int:
     if path is None:
         print(f"slime: no checkpoint in {args.load} yet; starting from --hf-checkpoint")
         return 0
-    actor.load(str(path))
+    # the data state first: it is small, and it refuses a resume onto other prompts before any weights move
     get(rollout_manager.load_state_dict.remote(json.loads((path / "rollout_state.json").read_text())), "resume",
         "RolloutManager", args.stage_timeout)
+    actor.load(str(path))
     rollout_id = json.loads((path / "meta.json").read_text())["rollout_id"]
     print(f"slime: resumed from {path} (rollout {rollout_id})")
     return rollout_id + 1

@@ -16,6 +16,9 @@ run's source once.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import random
 from dataclasses import asdict
 from typing import Any, Callable, Protocol
@@ -25,6 +28,7 @@ from transformers import AutoTokenizer
 from slime.data.dataset import Prompt, load_prompts
 from slime.data.sft import conversation_sample, load_conversations
 from slime.types import Sample, SampleStatus
+from slime.utils.errors import DataError
 from slime.utils.hooks import load_function
 
 
@@ -56,6 +60,7 @@ class PromptOrder:
         self.epoch = 0
         self.offset = 0  # position within the current epoch's order
         self._order = self._epoch_order(0)
+        self._fingerprint: str | None = None
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))
@@ -79,17 +84,45 @@ class PromptOrder:
             self.offset += k
         return out
 
+    def fingerprint(self) -> str:
+        """A hash of the items as the data file has them (prompt, label, metadata; for chat data the
+        messages), in file order: an edited file of the same size gives another fingerprint."""
+        if self._fingerprint is not None:
+            return self._fingerprint
+        h = hashlib.sha256()
+        for item in self.items:
+            fields = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else {"item": item}
+            content = {k: v for k, v in fields.items() if k not in _NOT_CONTENT}
+            h.update(json.dumps(content, sort_keys=True, default=str).encode())
+            h.update(b"\n")
+        self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle,
-                "num_prompts": len(self.items)}
+                "num_prompts": len(self.items), "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved order; refuse (naming what changed) when this run's data or order
+        differs from the saved run's, since the saved position would then point at other prompts."""
+        changed = []
         if state["num_prompts"] != len(self.items):
-            raise ValueError(
-                f"saved data state is for {state['num_prompts']} prompts but the prompt data has {len(self.items)}"
-            )
+            changed.append(f"the prompt data has {len(self.items)} prompts, the checkpoint's had {state['num_prompts']}")
+        elif state.get("fingerprint") not in (None, self.fingerprint()):  # checkpoints before the fingerprint: None
+            changed.append("the prompt data's content changed (same number of prompts, different prompts or labels)")
+        if bool(state.get("shuffle", self.shuffle)) != self.shuffle:
+            changed.append(f"--rollout-shuffle was {'on' if state['shuffle'] else 'off'}, "
+                           f"now {'on' if self.shuffle else 'off'}")
+        elif self.shuffle and state.get("seed", self.seed) != self.seed:
+            changed.append(f"--rollout-seed was {state['seed']}, now {self.seed} (it orders the shuffled prompts)")
+        if changed:
+            raise DataError("cannot resume the data where the checkpoint stopped: " + "; ".join(changed)
+                            + " (use the saved run's data and flags, or start a new run with another --save)")
         self.epoch, self.offset = state["epoch"], state["offset"]
         self._order = self._epoch_order(self.epoch)
+
+
+_NOT_CONTENT = {"input_ids", "tokens", "loss_mask", "where"}  # derived from the content, or where it was read
 
 
 def prompt_sample(p: Prompt) -> Sample:

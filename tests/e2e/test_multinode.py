@@ -75,7 +75,8 @@ def _sample(work: str, seen: dict) -> None:
     """Record every listening socket and every outgoing connection of slime's processes. Ray's own
     daemons are not slime's: a Ray worker reports its metrics to its node's agent on 127.0.0.1
     (Ray's design), so connections to a port a Ray daemon listens on are left out."""
-    slime, ray_ports = [], set()
+    ray_ports = seen.setdefault("ray_ports", set())  # over every sample: a daemon's scan can fail in one
+    slime = []
     for p in _cluster_processes(work):
         try:
             what = " ".join(p.cmdline()[:3])
@@ -91,7 +92,7 @@ def _sample(work: str, seen: dict) -> None:
         for c in conns:
             if c.status == psutil.CONN_LISTEN:
                 seen.setdefault("listen", set()).add((_ip(c.laddr.ip), what[:60]))
-            elif c.raddr and c.laddr.port not in listening and c.raddr.port not in ray_ports:  # slime connected out
+            elif c.raddr and c.laddr.port not in listening:  # slime connected out
                 seen.setdefault("connect", set()).add((_ip(c.raddr.ip), c.raddr.port, what[:60]))
 
 
@@ -134,8 +135,9 @@ def _learned_and_closed(out: Path, seen: dict) -> None:
     for ip, what in seen["listen"]:
         if "slime.engines.native" in what or "sglang::router" in what:
             assert ip in NODES, (ip, what)
-    connect = {ip for ip, _, _ in seen["connect"]}
-    assert "127.0.0.1" not in connect, sorted(x for x in seen["connect"] if x[0] == "127.0.0.1")
+    # connections to a port some Ray daemon listened on in any sample are Ray's, not slime's
+    to_loopback = sorted(x for x in seen["connect"] if x[0] == "127.0.0.1" and x[1] not in seen["ray_ports"])
+    assert not to_loopback, to_loopback
 
 
 def test_train_rank_and_engine_on_different_nodes(cluster, task, tmp_path):

@@ -97,6 +97,39 @@ def test_data_source_epochs_shuffle_and_state(tok, tmp_path):
     assert _ids(resumed.take(6)) == expected
 
 
+def test_resume_refuses_other_data_or_order_naming_what_changed(tok, tmp_path):
+    rows = [{"q": f"question {i}", "a": str(i)} for i in range(5)]
+    prompts = load_prompts(write_jsonl(tmp_path / "d.jsonl", rows), tok, "q", "a")
+    saved = PromptOrder(prompts, shuffle=True, seed=7)
+    saved.take(3)
+    state = saved.state_dict()
+    assert len(state["fingerprint"]) == 16
+
+    def refusal(items, **kw) -> str:
+        with pytest.raises(DataError) as e:
+            PromptOrder(items, **kw).load_state_dict(state)
+        assert str(e.value).startswith("cannot resume the data where the checkpoint stopped: ")
+        return str(e.value)
+
+    # an edited file of the same size (one label changed)
+    edited = load_prompts(write_jsonl(tmp_path / "e.jsonl", rows[:4] + [{"q": "question 4", "a": "44"}]), tok, "q", "a")
+    assert "the prompt data's content changed" in refusal(edited, shuffle=True, seed=7)
+    assert "the prompt data has 4 prompts, the checkpoint's had 5" in refusal(prompts[:4], shuffle=True, seed=7)
+    assert "--rollout-seed was 7, now 8" in refusal(prompts, shuffle=True, seed=8)
+    assert "--rollout-shuffle was on, now off" in refusal(prompts, shuffle=False, seed=7)
+    both = refusal(edited, shuffle=True, seed=9)
+    assert "content changed" in both and "--rollout-seed was 7, now 9" in both
+    # the same data read again (another path, same rows) resumes; a seed change without shuffling is harmless
+    again = PromptOrder(load_prompts(write_jsonl(tmp_path / "copy.jsonl", rows), tok, "q", "a"), shuffle=True, seed=7)
+    again.load_state_dict(state)
+    assert _ids(again.take(2)) == _ids(saved.take(2))
+    plain = PromptOrder(prompts, shuffle=False, seed=1)
+    plain.take(2)
+    PromptOrder(prompts, shuffle=False, seed=2).load_state_dict(plain.state_dict())
+    # a checkpoint written before the fingerprint existed still resumes
+    PromptOrder(prompts, shuffle=True, seed=7).load_state_dict({k: v for k, v in state.items() if k != "fingerprint"})
+
+
 def test_split_for_ranks_keeps_steps_aligned():
     n = 8
     batch = RolloutBatch(
