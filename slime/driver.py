@@ -16,6 +16,7 @@ named calls of the RolloutManager; it imports nothing from `slime.engines`.
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 import ray
@@ -25,6 +26,7 @@ from slime import checkpoint
 from slime.observability.metrics import MetricsLogger, console_line
 from slime.ray import cluster, placement
 from slime.ray.actor_group import NoTraining, TrainGroup
+from slime.utils import run_dirs
 from slime.utils.ray_calls import get
 from slime.rollout.manager import RolloutManager
 
@@ -32,6 +34,10 @@ from slime.rollout.manager import RolloutManager
 class Run:
     def __init__(self, args):
         self.args = args
+        left = [d for base in {run_dirs.shm_or_tmp(), tempfile.gettempdir()} for d in run_dirs.sweep(base)]
+        if left:  # a killed run's weight buckets, stashes, offloaded state
+            print(f"slime: removed {len(left)} temporary director{'y' if len(left) == 1 else 'ies'} of a run that "
+                  f"ended without cleaning up: {', '.join(sorted(left))}")
         cluster.init(args)
         pgs = placement.create(args)
 

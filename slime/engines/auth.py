@@ -26,13 +26,13 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 
 from slime.engines.protocol import ProtocolError
+from slime.utils.run_dirs import shm_or_tmp
 
 API_KEY_ENV = "SLIME_ENGINE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
@@ -53,8 +53,7 @@ def run_weights_dir(api_key: str) -> str:
     """The run's own directory for `--update-weights-mode disk` buckets, in /dev/shm when it is
     writable (Linux), else the temp dir: its name derives from the run's secret, so no other user
     can create it first."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, "slime-weights-" + hashlib.sha256(api_key.encode()).hexdigest()[:20])
+    return os.path.join(shm_or_tmp(), "slime-weights-" + hashlib.sha256(api_key.encode()).hexdigest()[:20])
 
 
 def run_weight_dirs(args) -> list[str]:

@@ -26,8 +26,6 @@ import functools
 import gc
 import logging
 import os
-import shutil
-import tempfile
 import time
 from typing import Iterable
 
@@ -35,6 +33,8 @@ import psutil
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+from slime.utils import run_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Offloader:
                 n = st.nbytes()
                 if st.device.type == "cpu":
                     if f is None:
-                        self._dir = tempfile.mkdtemp(prefix="slime-offload-", dir=self.offload_dir)
+                        self._dir = run_dirs.private_dir("slime-offload-", self.offload_dir)
                         f = open(os.path.join(self._dir, "state.bin"), "wb")
                     offset = f.tell()
                     f.write(_host_buffer(st))
@@ -173,13 +173,13 @@ class Offloader:
             torch.cuda.synchronize()
         self._stash = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            run_dirs.release(self._dir)
             self._dir = None
         return {"bytes": total, "seconds": time.perf_counter() - start}
 
     def close(self) -> None:
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            run_dirs.release(self._dir)
             self._dir = None
         self._stash = None
 

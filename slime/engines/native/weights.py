@@ -11,8 +11,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from slime.engines.native.weight_group import destroy_group, new_group
 from slime.engines.protocol import ProtocolError
+from slime.utils import run_dirs
 from slime.utils.weights import tensor_digest
 
 
@@ -185,7 +184,7 @@ class EngineWeights:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             torch.cuda.empty_cache()
             return ("host", stash)
-        tmp = tempfile.mkdtemp(prefix="slime-native-released-")
+        tmp = run_dirs.private_dir("slime-native-released-")
         path = os.path.join(tmp, "weights.safetensors")
         save_file({n: p.detach().contiguous() for n, p in params.items()}, path)
         for p in params.values():
@@ -205,7 +204,7 @@ class EngineWeights:
                 t = f.get_tensor(n)
                 p.data = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t)
 
-        shutil.rmtree(os.path.dirname(data), ignore_errors=True)
+        run_dirs.release(os.path.dirname(data))
 
 
 def _trim_heap() -> None:

@@ -34,12 +34,10 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +78,7 @@ from slime.engines.vllm.translate import (
     vllm_request_id,
 )
 from slime.utils.dist import BIND_ADDRESS_ENV
+from slime.utils import run_dirs
 from slime.utils.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -158,8 +157,7 @@ def _vocab_size(model_path: str) -> int | None:
 
 
 def _weights_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="slime-vllm-weights-", dir=base)
+    return run_dirs.private_dir("slime-vllm-weights-", run_dirs.shm_or_tmp())
 
 
 @web.middleware
@@ -546,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # vLLM serves on a Unix socket in a directory of this user only: its routes (dev-mode ones
     # included) have no key, so no other process may reach them; the adapter is the way in
-    sock_dir = tempfile.mkdtemp(prefix="slime-vllm-")
+    sock_dir = run_dirs.private_dir("slime-vllm-")
     uds = os.path.join(sock_dir, "vllm.sock")
     cmd = [*vllm_cmd, "--uds", uds]
     logger.info("starting vLLM: %s", " ".join(cmd))
@@ -571,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", e)
         if proc.poll() is None:
             proc.kill()
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        run_dirs.release(sock_dir)
         return 1
     logger.info("vLLM is up at %s; serving slime's protocol on %s:%d", uds, a.host, a.port)
     state = AdapterState(upstream, a.model_path, SERVED_MODEL_NAME, sleep_mode=a.sleep_mode == "1", uds=uds,
@@ -600,8 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        shutil.rmtree(state.weights_dir, ignore_errors=True)
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        run_dirs.release(state.weights_dir)
+        run_dirs.release(sock_dir)
     return 0 if proc.returncode in (0, None) else 1
 
 

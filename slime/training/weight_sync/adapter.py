@@ -31,6 +31,7 @@ from slime.engines.kinds import POLICY_LORA_NAME
 from slime.training.lora import write_adapter
 from slime.training.weight_sync.buckets import DEFAULT_TIMEOUT, call_all, engine_pool, tensor_bytes
 from slime.training.weight_sync.disk import own_directory
+from slime.utils import run_dirs
 
 
 class AdapterTransport:
@@ -82,3 +83,4 @@ class AdapterTransport:
         if self._served is not None:
             shutil.rmtree(self._served, ignore_errors=True)
             self._served = None
+        run_dirs.release(self.directory)  # removed unless another rank of the run still holds it

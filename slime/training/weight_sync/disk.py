@@ -27,18 +27,22 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from slime.engines.control import EngineControl
+from slime.utils import run_dirs
 from slime.training.weight_sync.buckets import (
     DEFAULT_TIMEOUT, Bucket, call_all, engine_pool, push_buckets,
 )
 
 
 def own_directory(path: str) -> str:
-    """`path` as a directory of this user only (created 0700); refuses one someone else made."""
+    """`path` as a directory of this user only (created 0700), held by this process
+    (`slime.utils.run_dirs`: removed by the last holder, or by a later start after a crash);
+    refuses one someone else made."""
+    run_dirs.sweep_once(os.path.dirname(os.path.abspath(path)))
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
     if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
         raise PermissionError(f"{path} exists and is not a directory of this user; remove it")
-    return path
+    return run_dirs.hold(path)
 
 
 class DiskTransport:
@@ -100,7 +104,4 @@ class DiskTransport:
 
     def close(self) -> None:
         self.engines = []
-        try:
-            os.rmdir(self.directory)  # empty unless another rank of the run still pushes
-        except OSError:
-            pass
+        run_dirs.release(self.directory)  # removed unless another rank of the run still holds it
