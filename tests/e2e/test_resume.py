@@ -5,11 +5,32 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from tests.helpers.e2e import LP, REFERENCE_FLAGS, ROOT, comparable, driver_env, records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
+
+
+RUN_PROCESSES = ("slime.engines.", "sglang::router", "ray::TrainActor", "ray::RolloutManager", "ray::EngineServer")
+
+
+def _run_processes(driver_pid: int) -> list[psutil.Process]:
+    """The driver's descendants and the run's actors, engines and router (the session's shared
+    Ray cluster serves one run at a time)."""
+    found = {p.pid: p for p in psutil.Process(driver_pid).children(recursive=True)}
+    for p in psutil.process_iter():
+        if any(s in " ".join(_cmdline(p)) for s in RUN_PROCESSES):
+            found[p.pid] = p
+    return list(found.values())
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
 
 def test_resumed_run_matches_uninterrupted_run(task, reference_run, tmp_path):
     """Save after rollouts 0 and 1, stop, resume with --load: rollouts 2 and 3 are those of the
@@ -50,9 +71,14 @@ def test_sigkill_mid_run_then_resume_loses_nothing(task, tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail("no checkpoint of rollout 1 within 300 s")
+    run_processes = _run_processes(driver.pid)
+    assert any("slime.engines.native" in " ".join(_cmdline(p)) for p in run_processes)
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
     killed_at = (ckpt / "latest").read_text().strip()
+    # nothing of the killed run is left 30 s later (engines die with the Ray worker that owns them)
+    gone, alive = psutil.wait_procs(run_processes, timeout=30)
+    assert not alive, [(p.pid, _cmdline(p)[:4]) for p in alive]
 
     proc = run(cmd)  # the same command resumes from the newest checkpoint
     assert proc.returncode == 0, proc.stderr[-3000:]
