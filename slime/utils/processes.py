@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 
 import psutil
 
@@ -20,6 +21,30 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+_WATCHDOG = """
+import os, signal, sys
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+_watchdog_pipes: list[int] = []  # write ends held open for this process's lifetime
+
+
+def kill_group_when_gone(pgid: int) -> subprocess.Popen:
+    """Start a watchdog that SIGKILLs process group `pgid` once this process is gone, SIGKILL
+    included. PR_SET_PDEATHSIG reaches only a direct child; a server's own children (vLLM's engine
+    core and workers) outlive it. The watchdog reads a pipe whose only writer is this process: the
+    kernel closes it when this process dies, and end-of-file is the signal."""
+    read_end, write_end = os.pipe()  # non-inheritable: no other child holds the writer
+    watchdog = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(pgid)], stdin=read_end,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    os.close(read_end)
+    _watchdog_pipes.append(write_end)
+    return watchdog
 
 
 def stop_process_group(process: subprocess.Popen | None, timeout: float = 10.0) -> None:

@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from slime.engines.control import EngineControl, EngineError, wait_until_healthy
@@ -127,9 +128,19 @@ def test_lora_adapter_on_vllm(vllm_installed, tiny_model_dir, tmp_path):
         with pytest.raises(EngineError) as e:
             generate(lora_path="policy-v1")
         assert e.value.status == 400 and "lora_path" in str(e.value)
+
+        # the adapter gets SIGKILL when the Ray worker that started it dies (a killed driver):
+        # vLLM and every process vLLM started go with it within 30 s
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert tree and any("vllm" in " ".join(p.cmdline()) for p in tree)
+        proc.kill()
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
     except BaseException:
         print(log.read_text(errors="replace")[-4000:])
         raise
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)

@@ -79,7 +79,7 @@ from slime.engines.vllm.translate import (
 )
 from slime.utils.dist import BIND_ADDRESS_ENV
 from slime.utils import run_dirs
-from slime.utils.processes import die_with_parent
+from slime.utils.processes import die_with_parent, kill_group_when_gone
 
 logger = logging.getLogger(__name__)
 
@@ -550,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("starting vLLM: %s", " ".join(cmd))
     lora = "--enable-lora" in vllm_cmd
     proc = subprocess.Popen(cmd, env=dict(vllm_env(lora=lora), **{BIND_ADDRESS_ENV: a.host}),
-                            preexec_fn=die_with_parent)
+                            preexec_fn=die_with_parent, start_new_session=True)
+    kill_group_when_gone(proc.pid)  # vLLM's engine core and workers too, however this adapter ends
 
     def _stop(*_):
         if proc.poll() is None:
