@@ -70,7 +70,7 @@ def save(args, rollout_id: int, actor, rollout_manager) -> Path:
     try:
         tmp.mkdir()
         actor.save(str(tmp))
-        state = get(rollout_manager.state_dict.remote(), "save", "RolloutManager", args.stage_timeout)
+        state = get(rollout_manager.state_dict.remote(rollout_id), "save", "RolloutManager", args.stage_timeout)
         _write_atomic(tmp / "rollout_state.json", json.dumps(state))
         _write_atomic(tmp / "meta.json", json.dumps({"rollout_id": rollout_id}))
         _fsync_tree(tmp)

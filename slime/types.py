@@ -8,7 +8,7 @@ entry per sample, in step order (see `RolloutBatch.split_for_ranks`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -53,6 +53,14 @@ class Sample:
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready fields (what checkpoints and rollout dumps store)."""
+        return dict(asdict(self), status=self.status.value)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        return cls(**dict(d, status=SampleStatus(d["status"])))
 
     def staleness(self, policy_version: int) -> int:
         """Policy versions between the oldest weights that wrote this response and `policy_version`."""

@@ -20,14 +20,13 @@ import dataclasses
 import hashlib
 import json
 import random
-from dataclasses import asdict
 from typing import Any, Callable, Protocol
 
 from transformers import AutoTokenizer
 
 from slime.data.dataset import Prompt, load_prompts
 from slime.data.sft import conversation_sample, load_conversations
-from slime.types import Sample, SampleStatus
+from slime.types import Sample
 from slime.utils.errors import DataError
 from slime.utils.hooks import load_function
 
@@ -107,7 +106,8 @@ class PromptOrder:
         differs from the saved run's, since the saved position would then point at other prompts."""
         changed = []
         if state["num_prompts"] != len(self.items):
-            changed.append(f"the prompt data has {len(self.items)} prompts, the checkpoint's had {state['num_prompts']}")
+            changed.append(f"the prompt data has {len(self.items)} prompts, the checkpoint's had "
+                           f"{state['num_prompts']}")
         elif state.get("fingerprint") not in (None, self.fingerprint()):  # checkpoints before the fingerprint: None
             changed.append("the prompt data's content changed (same number of prompts, different prompts or labels)")
         if bool(state.get("shuffle", self.shuffle)) != self.shuffle:
@@ -178,12 +178,11 @@ class RolloutDataSource:
         self.buffer.extend(groups)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.prompts.state_dict(), "buffer": [[asdict(s) for s in g] for g in self.buffer]}
+        return {**self.prompts.state_dict(), "buffer": [[s.to_dict() for s in g] for g in self.buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state)
-        self.buffer = [[Sample(**{**s, "status": SampleStatus(s["status"])}) for s in g]
-                       for g in state.get("buffer", [])]
+        self.buffer = [[Sample.from_dict(s) for s in g] for g in state.get("buffer", [])]
 
 
 def make_data_source(args, tokenizer) -> DataSource | None:

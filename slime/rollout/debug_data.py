@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from slime.types import Sample, SampleStatus
+from slime.types import Sample
 from slime.utils.errors import DataError
 
 
@@ -24,7 +24,7 @@ def rollout_path(template: str, rollout_id: int) -> Path:
 def save_samples(template: str, rollout_id: int, samples: list[Sample]) -> Path:
     path = rollout_path(template, rollout_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [dict(dataclasses.asdict(s), status=s.status.value) for s in samples]
+    rows = [s.to_dict() for s in samples]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"rollout_id": rollout_id, "samples": rows}, f)
@@ -44,7 +44,7 @@ def load_samples(template: str, rollout_id: int) -> list[Sample]:
             unknown = set(row) - names
             if unknown:
                 raise ValueError(f"sample {i} has unknown fields {sorted(unknown)}")
-            samples.append(Sample(**dict(row, status=SampleStatus(row["status"]))))
+            samples.append(Sample.from_dict(row))
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"--load-debug-rollout-data: {path} is not rollout data written by slime ({e})") from None
     return samples

@@ -139,6 +139,13 @@ class FullyAsyncGenerator:
         self._slots = asyncio.Semaphore(in_flight)
         self._task: asyncio.Task | None = None
         self._launched = 0
+        self._outstanding: dict[int, list[dict]] = {}  # group index -> the group as drawn, until handed out
+
+    def outstanding(self) -> list[list[dict]]:
+        """The groups drawn from the data source and not handed out yet (generating, or done and
+        waiting in the queue), as they were drawn (fresh, as dicts), oldest first: what a
+        checkpoint puts back so that a resume generates them again."""
+        return list(self._outstanding.values())
 
     def start(self) -> None:
         if self._task is None:
@@ -150,8 +157,10 @@ class FullyAsyncGenerator:
             while True:
                 await self._slots.acquire()
                 (g,) = self.next_groups(1)
+                drawn = [s.to_dict() for s in g]
                 for j, s in enumerate(g):  # unique indices (and sampling seeds) across rollouts
                     s.group_index, s.index = self._launched, self._launched * len(g) + j
+                self._outstanding[self._launched] = drawn
                 self._launched += 1
                 self.runner.progress[1] += len(g)
                 task = asyncio.ensure_future(self.runner.group(g, rollout_id=0))
@@ -174,6 +183,8 @@ class FullyAsyncGenerator:
         else:  # filtered out, or aborted at shutdown: its slot goes to a new group
             self.dropped += not unfinished(g)
             self._slots.release()
+            if not unfinished(g):  # used (filtered out); an aborted one stays outstanding
+                self._outstanding.pop(g[0].group_index, None)
 
     async def take(self, n: int) -> list[list[Sample]]:
         out = []
@@ -187,6 +198,7 @@ class FullyAsyncGenerator:
             if isinstance(g, BaseException):
                 raise g
             self._slots.release()
+            self._outstanding.pop(g[0].group_index, None)
             out.append(g)
         return out
 

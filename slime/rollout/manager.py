@@ -35,7 +35,7 @@ from slime.rollout.metrics import rollout_metrics, sft_metrics, staleness_metric
 from slime.rollout.rewards import build_reward
 from slime.rollout.sampling import Staleness, make_sampler
 from slime.rollout.train_data import fit_batch, sft_batch, to_train_batch
-from slime.types import RolloutBatch
+from slime.types import RolloutBatch, Sample
 
 
 class RolloutManager:
@@ -53,6 +53,7 @@ class RolloutManager:
         self.trainer = None  # --use-fault-tolerance: the train group that gives a restarted engine weights
         self.tokenizer = self.data_source = self.eval_sets = self.ext = self.sampler = self.runner = None
         self.urls: list[str] = []
+        self._resume_points: dict[int, dict] = {}  # rollout id -> state_dict to resume after it
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -92,6 +93,8 @@ class RolloutManager:
         self.progress_counts[:] = [0, 0]
         start = time.perf_counter()
         rollout = self.sampler.sample(rollout_id)
+        self._resume_points = {k: v for k, v in self._resume_points.items() if k >= rollout_id - 2}
+        self._resume_points[rollout_id] = self._resume_point()
         if args.loss_type == "sft_loss":
             return self._per_rank(sft_batch(rollout.samples)), sft_metrics(rollout.samples)
         samples = fit_batch(args, rollout.samples, rollout.metrics)
@@ -182,13 +185,28 @@ class RolloutManager:
         return self.fleet.pids()
 
     # ------------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        return {"data_source": self.data_source.state_dict() if self.data_source is not None else None,
-                "staleness": dict(self.staleness.counts)}
+    def _resume_point(self) -> dict:
+        """What a run resumed from here starts with: the data source's state, the groups drawn but
+        not trained on yet (put back first), the staleness counters."""
+        if self.sampler is not None:
+            data, in_flight = self.sampler.saved_data()
+        else:
+            data, in_flight = (self.data_source.state_dict() if self.data_source is not None else None), []
+        return {"data_source": data, "groups_in_flight": in_flight, "staleness": dict(self.staleness.counts)}
+
+    def state_dict(self, rollout_id: int | None = None) -> dict:
+        """The state to resume after rollout `rollout_id`: taken when that rollout's data was
+        complete, before a later rollout (train_async.py's next generation, --fully-async's
+        background loop) drew more prompts; the state now when `rollout_id` is None or unknown."""
+        point = self._resume_points.get(rollout_id)
+        return point if point is not None else self._resume_point()
 
     def load_state_dict(self, state: dict) -> None:
         if self.data_source is not None and state.get("data_source") is not None:
             self.data_source.load_state_dict(state["data_source"])
+            groups = [[Sample.from_dict(s) for s in g] for g in state.get("groups_in_flight", [])]
+            if groups:
+                self.data_source.add_samples(groups)
         self.staleness.counts.update(state.get("staleness", {}))
 
     def shutdown(self) -> None:

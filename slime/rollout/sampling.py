@@ -84,6 +84,11 @@ class Sampler:
     def stop(self) -> None:
         """Stop background work (the fully-async loop)."""
 
+    def saved_data(self) -> tuple[dict | None, list[list[dict]]]:
+        """At one instant: the data source's state, and the groups drawn from it but not handed out
+        in a rollout yet (as drawn, as dicts) that a resume must generate again."""
+        return (self.source.state_dict() if self.source is not None else None), []
+
 
 class ReplayRollouts(Sampler):
     def sample(self, rollout_id):
@@ -204,6 +209,14 @@ class FullyAsync(Rounds):
         if self.generator is not None:
             self.run(self.generator.stop())
             self.generator = None
+
+    def saved_data(self):
+        """On the rollout loop, so the background loop draws nothing in between: the groups in
+        flight and those done but not yet taken go back into the checkpoint."""
+        async def snapshot():
+            return super(FullyAsync, self).saved_data()[0], (self.generator.outstanding() if self.generator else [])
+
+        return self.run(snapshot())
 
 
 def make_sampler(args, source, runner: GroupRunner, loop: asyncio.AbstractEventLoop, ext: Extensions,

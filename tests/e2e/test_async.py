@@ -3,7 +3,9 @@
 and resuming with the staleness counters and the partial-rollout buffer."""
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,12 +23,37 @@ def cmd(task, out, script="train_async.py", *extra):  # noqa: F811
             "--output-dir", str(out), *map(str, extra)]
 
 
-def test_train_async_is_one_version_stale(task, tmp_path):  # noqa: F811
-    out = tmp_path / "out"
-    r = run(cmd(task, out))
+def _prompts(template: str, rollout_ids) -> list[str]:
+    """The prompts a run trained on in each rollout (one per group), from --save-debug-rollout-data."""
+    out = []
+    for i in rollout_ids:
+        samples = json.loads(Path(template.format(rollout_id=i)).read_text())["samples"]
+        out += [json.dumps(s["prompt"]) for s in samples if s["index"] % 2 == 0]
+    return out
+
+
+def test_train_async_is_one_version_stale_and_resumes_without_skipping_prompts(task, tmp_path):  # noqa: F811
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    rollouts = str(tmp_path / "rollouts" / "r{rollout_id}.json")
+    r = run(cmd(task, out, "train_async.py", "--save", ckpt, "--save-interval", 1, "--save-debug-rollout-data",
+                rollouts))
     assert r.returncode == 0, r.stderr[-3000:]
     recs = records(out)
     assert [rec["rollout_id"] for rec in recs] == [0, 1, 2, 3]
+    # rollout 1's checkpoint was written while rollout 2 was already generating (with its prompts
+    # drawn); a run killed right then resumes from it: the state that checkpoint holds is the one
+    # from before rollout 2 drew, so the resumed run trains on rollout 2's and 3's prompts, none skipped
+    killed = tmp_path / "killed"
+    shutil.copytree(ckpt / "rollout_000001", killed / "rollout_000001")
+    (killed / "latest").write_text("rollout_000001\n")
+    resumed_rollouts = str(tmp_path / "resumed" / "r{rollout_id}.json")
+    r = run(cmd(task, tmp_path / "resumed_out", "train_async.py", "--load", killed, "--save", killed,
+                "--save-interval", 1, "--save-debug-rollout-data", resumed_rollouts))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {killed / 'rollout_000001'}" in r.stdout
+    uninterrupted, lineage = _prompts(rollouts, range(4)), _prompts(rollouts, range(2)) + _prompts(resumed_rollouts,
+                                                                                                 (2, 3))
+    assert lineage == uninterrupted and len(set(lineage)) == 16  # every prompt once, in the data's order
     # rollout 0 generates with the initial weights before any training; every later rollout was
     # generated while the previous one trained, so with the weights one version behind
     assert recs[0]["rollout/staleness/max"] == 0.0

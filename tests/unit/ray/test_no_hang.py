@@ -109,7 +109,7 @@ def test_engine_failure_inside_an_actor_names_stage_and_actor(ray_session):
 class StuckManager:
     """A RolloutManager whose calls never return."""
 
-    def state_dict(self):
+    def state_dict(self, rollout_id=None):
         time.sleep(3600)
 
     def load_state_dict(self, state):

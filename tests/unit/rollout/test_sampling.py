@@ -193,3 +193,52 @@ def test_rollout_max_context_len_cuts_each_requests_budget(tiny_model_dir, tmp_p
     assert [p["sampling_params"]["max_new_tokens"] for p in engines.payloads] == [3]
     assert a.response_length == 3 and len(a.tokens) == 5
     assert b.status == SampleStatus.TRUNCATED and b.response_length == 0 and b.reward == 1.0
+
+
+def test_fully_async_resume_uses_every_prompt_exactly_once(tiny_model_dir, tmp_path):
+    """The state saved after rollout 0 puts the groups still generating (or done but not taken)
+    back in front of the data: the killed run's rollouts 0 and 1, and a run resumed after rollout 0,
+    together train on a prefix of the prompts, each once (none skipped, none repeated)."""
+    import threading
+    from collections import Counter
+
+    from slime.data.dataset import Prompt
+    from slime.data.source import RolloutDataSource
+    from slime.rollout.extensions import Extensions
+    from slime.rollout.manager import RolloutManager
+    from slime.rollout.sampling import FullyAsync, Staleness
+
+    args = _args(tiny_model_dir, tmp_path, "--fully-async", "--async-groups-in-flight", 4)
+    prompts = [Prompt(prompt=f"p{i}", input_ids=[i, 1], label=i) for i in range(40)]
+    # prompt token t takes a while when t % 3 == 1: later groups overtake it
+    delays = {t: (0.3 if t % 3 == 1 else 0.01) for t in range(40)}
+
+    def start(source):
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, daemon=True).start()
+        runner = GroupRunner(args, FakeEngines(delays), RewardFunction(lambda a, s: 1.0), version_now=lambda: 0)
+        return FullyAsync(args, source, runner, loop, Extensions(), Staleness(None))
+
+    def labels(rollout):
+        return [s.label for s in rollout.samples[:: args.n_samples_per_prompt]]
+
+    killed = start(RolloutDataSource(args, list(prompts)))
+    trained = labels(killed.sample(0))
+    data, in_flight = killed.saved_data()  # what the checkpoint of rollout 0 holds
+    assert in_flight and data["offset"] > len(trained)  # more was drawn than trained: the old loss
+    killed.sample(1)  # trained by the killed run, never saved: not part of what the resumed run continues
+    killed.stop()
+
+    manager = RolloutManager(args)
+    manager.data_source = RolloutDataSource(args, list(prompts))
+    manager.load_state_dict({"data_source": data, "groups_in_flight": in_flight, "staleness": {}})
+    resumed = start(manager.data_source)
+    for rollout_id in (1, 2, 3):
+        trained += labels(resumed.sample(rollout_id))
+    _, still_out = resumed.saved_data()
+    resumed.stop()
+    assert max(Counter(trained).values()) == 1  # none twice
+    pending = [g[0]["label"] for g in still_out]
+    assert not set(pending) & set(trained)
+    drawn = sorted(trained + pending)
+    assert drawn == list(range(len(drawn)))  # none skipped: trained or still generating, a prefix of the data
