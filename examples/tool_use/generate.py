@@ -18,7 +18,9 @@ The tool-call syntax is the `call_format` key of the --custom-config-path YAML:
   arithmetic expression of the question (a calculator's "evaluate what is on the screen"). The result
   comes back as a user message `result <value>`.
 
-Other keys: `max_tool_calls_turns` (model turns, default --max-turns), `tool_timeout` (seconds).
+Other keys: `max_tool_calls_turns` (model turns, default --max-turns), `tool_timeout` (seconds);
+`python_tool`, `python_timeout`, `python_memory_mb`, `python_sandbox` (`unsafe`: allow the Python tool
+to run without the bubblewrap sandbox when there is none; by default generate refuses, see tools.py).
 The episode's answer is the first number of the model's last turn; `reward.py` scores it and logs
 how many tool calls succeeded (`rollout/reward/tool_calls`).
 """
@@ -30,17 +32,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tools import calculate, last_expression, run_python  # noqa: E402
-
-from slime.rollout.api import context  # noqa: E402
-from slime.rollout.multiturn import ToolCall, parse_tool_calls, run_tool_loop  # noqa: E402
+from slime.rollout.api import context
+from slime.rollout.multiturn import ToolCall, parse_tool_calls, run_tool_loop
+from tools import calculate, last_expression, run_python, sandbox_refusal
 
 PLAIN_CALL = "compute"
 
 
 def parse_plain(text: str) -> list[ToolCall]:
     """`compute [expression]` -> one calculator call (expression '' when none follows the word)."""
-    head, found, rest = text.partition(PLAIN_CALL)
+    _, found, rest = text.partition(PLAIN_CALL)
     if not found:
         return []
     return [ToolCall("calculator", {"expression": rest.strip()})]
@@ -67,9 +68,14 @@ async def generate(args, sample, sampling_params):
 
     tools = {"calculator": calculator}
     if getattr(args, "python_tool", False):
+        sandbox = getattr(args, "python_sandbox", None)
+        refusal = sandbox_refusal(sandbox)  # no sandbox and no unsafe switch: stop here, not in every episode
+        if refusal:
+            raise RuntimeError(refusal)
+
         async def python(code: str) -> str:
             result = await run_python(code, timeout=float(getattr(args, "python_timeout", 5.0)),
-                                      memory_mb=int(getattr(args, "python_memory_mb", 256)))
+                                      memory_mb=int(getattr(args, "python_memory_mb", 256)), sandbox=sandbox)
             ok.append(not result.startswith("error"))
             return result
 

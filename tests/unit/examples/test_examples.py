@@ -69,10 +69,21 @@ def test_calculator_and_plain_calls():
     assert gen.parse_plain("the answer is 4") == []
 
 
-def test_python_tool_limits():
+def _python_tool_runs(tools, monkeypatch):
+    """The Python tool runs sandboxed where bwrap works (scripts/test.sh installs it), else with the unsafe
+    switch (tests/unit/examples/test_tool_sandbox.py tests the sandbox and the refusal). True: sandboxed."""
+    if tools._sandbox.unavailable() is None:
+        return True
+    monkeypatch.setenv(tools.SANDBOX_ENV, "unsafe")
+    return False
+
+
+def test_python_tool_limits(monkeypatch):
     tools = load("tool_use", "tools")
+    sandboxed = _python_tool_runs(tools, monkeypatch)
     assert asyncio.run(tools.run_python("print(sum(range(10)))")) == "45"
-    assert "slime_py_" in asyncio.run(tools.run_python("import os; print(os.getcwd())"))  # a fresh temp dir
+    cwd = asyncio.run(tools.run_python("import os; print(os.getcwd())"))  # a fresh, private working directory
+    assert (cwd == "/work") if sandboxed else ("slime_py_" in cwd)
     assert asyncio.run(tools.run_python("x = bytearray(1 << 30)", memory_mb=128)) == "error: exit status 1: MemoryError"
     cpu = asyncio.run(tools.run_python("while True: pass", timeout=20, cpu_seconds=1))
     assert cpu.startswith("error: killed by signal")  # RLIMIT_CPU, long before the wall timeout
@@ -335,8 +346,10 @@ def _prompt_sample(tokenizer, content, label):
     return Sample(prompt=[{"role": "user", "content": content}], label=label, tokens=list(ids))
 
 
-def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer, tmp_path):
+def test_tool_use_hermes_calls_python_and_calculator(tiny, tokenizer, tmp_path, monkeypatch):
     from slime.rollout.multiturn import env_message_tokens
+
+    _python_tool_runs(load("tool_use", "tools"), monkeypatch)
 
     eos = tokenizer.eos_token_id
     t1, t2, t3 = ([tokenizer.convert_tokens_to_ids(w) for w in words] + [eos]
