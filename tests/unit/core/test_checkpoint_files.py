@@ -57,7 +57,7 @@ class _Trainer:
 class _Manager:
     class state_dict:  # noqa: N801 - stands for an actor method
         @staticmethod
-        def remote():
+        def remote(rollout_id=None):
             return None
 
 
