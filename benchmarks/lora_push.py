@@ -40,7 +40,7 @@ CONFIGS = {
 
 
 def _engine(model: str, key: str, weights_dir: str, threads: int, log: Path):
-    from slime.engines.control import wait_until_healthy
+    from slime.engines.startup import wait_until_healthy
     from slime.utils.net import free_port
 
     port = free_port()

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from slime.engines.auth import API_KEY_ENV
-from slime.engines.control import ForeignListener, wait_until_healthy
 from slime.engines.kinds import engine_kind
+from slime.engines.startup import ForeignListener, wait_until_healthy
 from slime.utils.net import cluster_addresses, free_port, node_address
 from slime.utils.processes import die_with_parent, kill_process_group, stop_process_group
 from slime.utils.threads import cpu_threads

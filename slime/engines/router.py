@@ -34,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from slime.engines.control import EngineControl, EngineError, RouterControl, normalize_url, wait_until_healthy
+from slime.engines.control import EngineControl, EngineError, RouterControl, normalize_url
+from slime.engines.startup import wait_until_healthy
 from slime.utils.errors import RunFailure, SlimeConfigError
 from slime.utils.net import free_port, node_address, without_proxies
 from slime.utils.processes import die_with_parent, stop_process_group

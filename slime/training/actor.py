@@ -34,12 +34,10 @@ It can also be used in-process (world size 1) in tests.
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,7 +51,7 @@ from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
 from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
-from slime.utils.checkpoint_data import load_tensors_file
+from slime.utils.checkpoint_data import load_tensors_file, rng_states, set_rng_states
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 from slime.utils.net import free_port, node_address
@@ -583,28 +581,4 @@ def token_budget_micro_batches(lengths: list[int], budget: int, min_groups: int 
         groups[k:k + 1] = halves
         sums[k:k + 1] = loads
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
-
-
-def rng_states() -> dict:
-    """Python, NumPy and torch (CPU and CUDA) random states, for exact resume, as tensors and plain
-    numbers (a file of them loads with torch.load's weights_only=True)."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    py, npy = states["python"], states["numpy"]
-    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                         npy["cached_gaussian"]))
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import random
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -150,3 +152,27 @@ def dcp_to_dict(path: str | Path) -> dict:
     state: dict = {}
     _load(state, path, _SafeEmptyStateDictLoadPlanner(), partial(_load_state_dict, no_dist=True))
     return state
+
+
+def rng_states() -> dict:
+    """Python, NumPy and torch (CPU and CUDA) random states, for exact resume, as tensors and plain
+    numbers (a file of them loads with torch.load's weights_only=True)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    py, npy = states["python"], states["numpy"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])

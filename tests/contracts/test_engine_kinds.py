@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import load_file, save
 from transformers import AutoModelForCausalLM
 
-from slime.engines.control import ENGINE_ROUTES, EngineControl, EngineError, Route, wait_until_healthy
+from slime.engines.control import ENGINE_ROUTES, EngineControl, EngineError, Route
 from slime.engines.native.weight_group import destroy_group, new_group
+from slime.engines.startup import wait_until_healthy
 from slime.engines.vllm.launch import INSTALL_SCRIPT, adapter_command, vllm_venv
 from slime.utils.net import free_port
 from tests.helpers.e2e import ROOT

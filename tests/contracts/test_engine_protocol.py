@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError
 from slime.engines.sglang import broadcast_layout
+from slime.engines.startup import wait_until_healthy
 from tests.helpers.native_server import native_server
 
 # ----------------------------------------------------------------- captured from SGLang 0.5.23

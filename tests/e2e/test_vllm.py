@@ -12,7 +12,8 @@ import sys
 import psutil
 import pytest
 
-from slime.engines.control import EngineControl, EngineError, wait_until_healthy
+from slime.engines.control import EngineControl, EngineError
+from slime.engines.startup import wait_until_healthy
 from slime.engines.vllm.launch import INSTALL_SCRIPT, vllm_command, vllm_python
 from slime.utils.net import free_port
 from tests.helpers.args import make_args

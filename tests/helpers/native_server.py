@@ -6,7 +6,7 @@ import contextlib
 import subprocess
 import sys
 
-from slime.engines.control import wait_until_healthy
+from slime.engines.startup import wait_until_healthy
 from slime.utils.net import free_port
 
 

@@ -14,7 +14,8 @@ import warnings
 import pytest
 from aiohttp import web
 
-from slime.engines.control import AsyncEngineControl, EngineControl, EngineError, wait_until_healthy
+from slime.engines.control import AsyncEngineControl, EngineControl, EngineError
+from slime.engines.startup import wait_until_healthy
 from slime.utils.net import free_port
 
 
@@ -291,7 +292,7 @@ def test_clients_ignore_proxies_of_the_environment(fake, monkeypatch):
 def test_health_wait_refuses_a_foreign_server_on_the_port(fake):
     """The process started for a port is not the one answering on it (another took the port first):
     a ForeignListener naming the port, not a healthy engine."""
-    from slime.engines.control import ForeignListener
+    from slime.engines.startup import ForeignListener
 
     port = int(fake.url.rsplit(":", 1)[1])
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

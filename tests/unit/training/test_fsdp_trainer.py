@@ -343,7 +343,7 @@ def test_rng_states_round_trip():
 
     import numpy as np
 
-    from slime.training.actor import rng_states, set_rng_states
+    from slime.utils.checkpoint_data import rng_states, set_rng_states
 
     saved = rng_states()
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from slime.training.actor import rng_states, set_rng_states
-from slime.utils.checkpoint_data import CheckpointRefused, dcp_to_dict, load_tensors_file
+from slime.utils.checkpoint_data import (
+    CheckpointRefused, dcp_to_dict, load_tensors_file, rng_states, set_rng_states,
+)
 
 
 class _RunsCode:
