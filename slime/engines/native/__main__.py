@@ -20,7 +20,7 @@ import sys  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from slime.engines.auth import access_of  # noqa: E402
-from slime.engines.native.cli import build_parser  # noqa: E402
+from slime.engines.native.cli import build_parser, limits_of  # noqa: E402
 from slime.engines.native.engine import NativeEngine  # noqa: E402
 from slime.engines.native.server import create_app  # noqa: E402
 
@@ -42,7 +42,8 @@ async def _serve(args) -> None:
     if access.api_key is None:
         logging.getLogger(__name__).warning("no --api-key: any local process may call this engine "
                                             "(docs/security.md)")
-    app = create_app(engine, incremental_streaming_output=args.incremental_streaming_output, access=access)
+    app = create_app(engine, incremental_streaming_output=args.incremental_streaming_output, access=access,
+                     limits=limits_of(args))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -6,8 +6,22 @@ import argparse
 import sys
 
 from slime.engines.auth import add_access_flags
+from slime.engines.native.limits import ServerLimits
 from slime.engines.passthrough import PassThrough, option_table
 from slime.utils.threads import cpu_threads
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +44,38 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streamed /generate events carry only the text, output_ids and log-probs new since the "
                         "previous event (SGLang's flag); default: cumulative")
     p.add_argument("--log-level", default="warning")
+    add_request_limit_flags(p)
     add_access_flags(p)
     return p
+
+
+def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request may ask of the server (slime/engines/native/limits.py, docs/security.md)."""
+    d = ServerLimits()
+    p.add_argument("--max-request-bytes", type=_positive(int), default=d.max_request_bytes,
+                   help="largest body of a generation route (/generate, /v1/completions, /v1/chat/completions); "
+                        "larger ones are refused (413) before they are read. Default: --max-prompts-per-request x "
+                        "--max-prompt-tokens x 16 bytes + 1 MiB, at most 256 MiB")
+    p.add_argument("--max-prompts-per-request", type=_positive(int), default=d.max_prompts_per_request,
+                   help="most prompts in one request (a /generate batch, an OpenAI prompt list)")
+    p.add_argument("--max-prompt-tokens", type=_positive(int), default=d.max_prompt_tokens,
+                   help="most tokens in one prompt (default and at most: the context length - 1)")
+    p.add_argument("--max-queued-requests", type=_positive(int), default=d.max_queued_requests,
+                   help="generations running and waiting at once; a request whose n x prompts do not fit is "
+                        "refused with 429")
+    p.add_argument("--weight-group-timeout", type=_positive(float), default=d.weight_group_timeout,
+                   help="seconds a weight-group rendezvous or broadcast waits for its peers before it fails")
+    p.add_argument("--trust-request-templates", action="store_true",
+                   help="accept a chat template in a request (chat_template, chat_template_kwargs.chat_template); "
+                        "refused by default")
+
+
+def limits_of(args) -> ServerLimits:
+    """The `ServerLimits` the flags of `build_parser` set."""
+    return ServerLimits(max_request_bytes=args.max_request_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                        max_prompt_tokens=args.max_prompt_tokens, max_queued_requests=args.max_queued_requests,
+                        trust_request_templates=args.trust_request_templates,
+                        weight_group_timeout=args.weight_group_timeout)
 
 
 # --sglang-* flags are written for SGLang's server; the native engine takes the ones it shares

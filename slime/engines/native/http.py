@@ -1,5 +1,5 @@
-"""What the native engine's HTTP handlers share: the app key that holds the engine, and submitting a
-request to the engine's worker thread as an awaitable."""
+"""What the native engine's HTTP handlers share: the app key that holds the engine, submitting a
+request to the engine's worker thread as an awaitable, and tokenizing a prompt."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 from aiohttp import web
 
 from slime.engines.native.engine import NativeEngine
+from slime.engines.protocol import ProtocolError
 
 ENGINE_KEY = web.AppKey("engine", NativeEngine)
 INCREMENTAL_STREAM_KEY = web.AppKey("incremental_streaming_output", bool)
@@ -34,3 +35,12 @@ def submit(engine: NativeEngine, inp) -> asyncio.Future:
 
     engine.submit(inp, cb)
     return fut
+
+
+def tokenize(tokenizer, text: str, name: str) -> list[int]:
+    """`text`'s token ids (call it off the event loop); a text the tokenizer refuses is a ProtocolError
+    naming `name`."""
+    try:
+        return list(tokenizer.encode(text))
+    except Exception as e:  # noqa: BLE001 - e.g. lone surrogates from \ud800 escapes
+        raise ProtocolError(name, f"cannot be tokenized: {type(e).__name__}: {e}") from None

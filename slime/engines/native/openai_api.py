@@ -19,6 +19,12 @@ name is the base model. `/v1/models` lists the base model and the loaded adapter
 
 `stream: true` (and `stream_options: {"include_usage": true}`) answers with OpenAI's
 chunks over Server-Sent Events, the same fields per chunk (`openai_stream.py`).
+
+Parsing, tokenization and the chat template run on the server's prepare threads, off the event
+loop; the server's caps apply (`limits.py`): prompts per request, tokens per prompt, and n x prompts
+against the engine's queue (429). A chat template in the request (vLLM's `chat_template`, or
+`chat_template_kwargs.chat_template`) is refused unless the server runs with
+`--trust-request-templates`; `chat_template_kwargs` otherwise holds template variables only.
 """
 
 from __future__ import annotations
@@ -31,17 +37,24 @@ from typing import Any
 from aiohttp import web
 
 from slime.engines.control import Route
-from slime.engines.native.http import ENGINE_KEY, submit
-from slime.engines.native.openai_stream import _finish_reason, parse_stream_options, stream_chat, stream_completions
+from slime.engines.native.http import ENGINE_KEY, submit, tokenize
+from slime.engines.native.limits import ADMISSION_KEY, Admission
+from slime.engines.native.openai_stream import (
+    _finish_reason,
+    parse_stream_options,
+    stream_chat,
+    stream_completions,
+)
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
     SamplingParams,
     check_prompt,
+    check_prompt_count,
     is_int,
     parse_sampling_params,
 )
-from slime.engines.serving import read_json
+from slime.engines.serving import json_of, read_body
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user",
@@ -52,11 +65,15 @@ _COMMON = {
 _COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                         "response_format", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                        "parallel_tool_calls"}
+                        "parallel_tool_calls", "chat_template"}
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "best_of": 1, "min_tokens": 0,
             "echo": False, "suffix": None, "repetition_penalty": 1.0,
             "tools": None, "tool_choice": None, "parallel_tool_calls": None}
 MAX_N = 128
+# apply_chat_template's own arguments: never template variables in chat_template_kwargs
+_TEMPLATE_CALL_ARGS = {"conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                       "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                       "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
 
 def _check_keys(body: Any, allowed: set[str]) -> dict:
@@ -102,8 +119,9 @@ def _sampling(body: dict, max_tokens_key: str, default_max: int | None) -> tuple
     return sp, n
 
 
-def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
-    """OpenAI `prompt`: a string, a list of strings, a list of token ids or a list of lists."""
+def _prompt_list(prompt: Any, tokenizer, adm: Admission) -> list[tuple[str, list[int]]]:
+    """OpenAI `prompt`: a string, a list of strings, a list of token ids or a list of lists (within the
+    server's caps: prompts per request, tokens per prompt)."""
     if isinstance(prompt, str):
         items: list = [prompt]
     elif isinstance(prompt, list) and prompt and all(is_int(x) for x in prompt):
@@ -112,13 +130,18 @@ def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
         items = prompt
     else:
         raise ProtocolError("prompt", "must be a non-empty string, list of strings, or list of token ids")
+    check_prompt_count(len(items), adm.max_prompts, "prompt")
     out = []
     for i, p in enumerate(items):
         name = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(p, list):
+            adm.check_prompt_tokens(len(p), name)
         if isinstance(p, str):
             if not p:
                 raise ProtocolError(name, "must not be empty")
-            out.append((name, tokenizer.encode(p)))
+            ids = tokenize(tokenizer, p, name)
+            adm.check_prompt_tokens(len(ids), name)
+            out.append((name, ids))
         elif isinstance(p, list) and p and all(is_int(x) and x >= 0 for x in p):
             out.append((name, list(p)))
         else:
@@ -126,7 +149,28 @@ def _prompt_list(prompt: Any, tokenizer) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _messages_to_ids(body: dict, tokenizer) -> list[int]:
+def _template_kwargs(body: dict, adm: Admission) -> dict:
+    """The extra arguments of the chat template call: template variables, and the request's own
+    template only when the server trusts request templates."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ProtocolError("chat_template_kwargs", "must be an object")
+    kwargs = dict(kwargs)
+    for key in kwargs:
+        if key == "chat_template":
+            adm.check_template("chat_template_kwargs.chat_template")
+        elif key in _TEMPLATE_CALL_ARGS:
+            raise ProtocolError(f"chat_template_kwargs.{key}", "is an argument of the template call, not a template "
+                                                               "variable")
+    if body.get("chat_template") is not None:
+        adm.check_template("chat_template")
+        kwargs["chat_template"] = body["chat_template"]
+    if "chat_template" in kwargs and not isinstance(kwargs["chat_template"], str):
+        raise ProtocolError("chat_template", "must be a string (a Jinja template)")
+    return kwargs
+
+
+def _messages_to_ids(body: dict, tokenizer, adm: Admission) -> list[int]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ProtocolError("messages", "must be a non-empty list of {role, content} objects")
@@ -149,12 +193,10 @@ def _messages_to_ids(body: dict, tokenizer) -> list[int]:
         if not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content", "must be a string or a list of text parts")
         clean.append({**{k: v for k, v in m.items() if k not in ("content",)}, "content": content})
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ProtocolError("chat_template_kwargs", "must be an object")
+    kwargs = _template_kwargs(body, adm)
     cont = bool(body.get("continue_final_message", False))
     agp = body.get("add_generation_prompt", not cont)
-    if getattr(tokenizer, "chat_template", None) is None:
+    if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in kwargs:
         raise ProtocolError("messages", "the model's tokenizer has no chat template; use /v1/completions")
     try:
         ids = tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=bool(agp),
@@ -167,6 +209,7 @@ def _messages_to_ids(body: dict, tokenizer) -> list[int]:
         ids = ids.tolist()
     if ids and isinstance(ids[0], list):
         ids = ids[0]
+    adm.check_prompt_tokens(len(ids), "messages")
     return list(ids)
 
 
@@ -208,11 +251,11 @@ def _usage(prompts, grouped) -> dict:
     return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
 
 
-def _model_name(request: web.Request, body: dict) -> str:
+def _model_name(engine, body: dict) -> str:
     m = body.get("model")
     if m is not None and not isinstance(m, str):
         raise ProtocolError("model", "must be a string")
-    return m or request.app[ENGINE_KEY].model_path
+    return m or engine.model_path
 
 
 def _lora_of(engine, model: str) -> str | None:
@@ -220,9 +263,9 @@ def _lora_of(engine, model: str) -> str | None:
     return model if model in engine.lora_adapters() else None
 
 
-async def completions(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = _check_keys(await read_json(request), _COMPLETION_KEYS)
+def _prepare_completions(engine, adm: Admission, raw: bytes):
+    """Parse, validate and tokenize a `/v1/completions` body (on a prepare thread)."""
+    body = _check_keys(json_of(raw), _COMPLETION_KEYS)
     stream, include_usage = parse_stream_options(body)
     if "prompt" not in body:
         raise ProtocolError("prompt", "is required")
@@ -231,9 +274,17 @@ async def completions(request: web.Request) -> web.Response:
     if lp is not None and (not is_int(lp) or not (0 <= lp <= 1)):
         raise ProtocolError("logprobs", f"must be 0 or 1 (the sampled token's log-prob; top alternatives are not "
                                         f"computed), got {lp!r}")
-    model = _model_name(request, body)
-    prompts = _prompt_list(body["prompt"], engine.tokenizer)
+    model = _model_name(engine, body)
+    prompts = _prompt_list(body["prompt"], engine.tokenizer, adm)
     inputs = _inputs(engine, prompts, sp, n, "max_tokens", _lora_of(engine, model))
+    return stream, include_usage, lp, model, prompts, n, inputs
+
+
+async def completions(request: web.Request) -> web.Response:
+    engine, adm = request.app[ENGINE_KEY], request.app[ADMISSION_KEY]
+    raw = await read_body(request)
+    stream, include_usage, lp, model, prompts, n, inputs = await adm.prepare(_prepare_completions, engine, adm, raw)
+    adm.check_queue(engine, len(inputs), "n")  # no await from here to the submits: the check holds
     if stream:
         return await stream_completions(request, engine, inputs, n, model, lp, include_usage)
     grouped = await _run(engine, inputs, len(prompts), n)
@@ -258,9 +309,9 @@ async def completions(request: web.Request) -> web.Response:
     })
 
 
-async def chat_completions(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = _check_keys(await read_json(request), _CHAT_KEYS)
+def _prepare_chat(engine, adm: Admission, raw: bytes):
+    """Parse, validate and render a `/v1/chat/completions` body (on a prepare thread)."""
+    body = _check_keys(json_of(raw), _CHAT_KEYS)
     stream, include_usage = parse_stream_options(body)
     sp, n = _sampling(body, "max_completion_tokens", None)
     lp = body.get("logprobs", False)
@@ -271,11 +322,19 @@ async def chat_completions(request: web.Request) -> web.Response:
     tl = body.get("top_logprobs")
     if tl not in (None, 0):
         raise ProtocolError("top_logprobs", "only 0 is supported (top alternatives are not computed)")
-    model = _model_name(request, body)
-    ids = _messages_to_ids(body, engine.tokenizer)
+    model = _model_name(engine, body)
+    ids = _messages_to_ids(body, engine.tokenizer, adm)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompts = [("messages", ids)]
     inputs = _inputs(engine, prompts, sp, n, key, _lora_of(engine, model))
+    return stream, include_usage, lp, model, ids, prompts, n, inputs
+
+
+async def chat_completions(request: web.Request) -> web.Response:
+    engine, adm = request.app[ENGINE_KEY], request.app[ADMISSION_KEY]
+    raw = await read_body(request)
+    stream, include_usage, lp, model, ids, prompts, n, inputs = await adm.prepare(_prepare_chat, engine, adm, raw)
+    adm.check_queue(engine, len(inputs), "n")
     if stream:
         return await stream_chat(request, engine, inputs, model, lp, include_usage)
     grouped = await _run(engine, inputs, 1, n)

@@ -1,8 +1,10 @@
 """aiohttp server exposing a `NativeEngine` over SGLang's native HTTP protocol.
 
-The event loop only parses, validates and waits: compute runs in the engine's worker
-thread, so `/health` answers while a batch is generating. `"stream": true` answers with
-Server-Sent Events (`streaming.py`).
+The event loop only reads bodies (within each route's cap) and waits: parsing, validation and
+tokenization run on the server's prepare threads, compute in the engine's worker thread, weight-group
+rendezvous and receives on threads of their own (`limits.py`), the other weight and memory routes on
+the default executor; so `/health` answers while a batch is generating or a request is being
+tokenized. `"stream": true` answers with Server-Sent Events (`streaming.py`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,20 @@ import torch
 from aiohttp import web
 from safetensors.torch import load
 
+from slime.engines.auth import ACCESS_KEY, Access, check_request, guard
 from slime.engines.control import Route
 from slime.engines.native.engine import NativeEngine
-from slime.engines.auth import ACCESS_KEY, Access, check_request, guard
-from slime.engines.native.http import ENGINE_KEY, INCREMENTAL_STREAM_KEY, submit
+from slime.engines.native.http import (
+    ENGINE_KEY,
+    INCREMENTAL_STREAM_KEY,
+    submit,
+    tokenize,
+)
+from slime.engines.native.limits import ADMISSION_KEY, Admission, ServerLimits
 from slime.engines.native.openai_api import OPENAI_HANDLERS
 from slime.engines.native.requests import GenerationResult
 from slime.engines.native.streaming import pop_stream_flag, stream_generate
+from slime.engines.native.weights import safetensors_header
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -42,7 +51,14 @@ from slime.engines.protocol import (
     parse_update_weights_from_distributed,
     parse_weight_version,
 )
-from slime.engines.serving import add_routes, read_json
+from slime.engines.serving import (
+    add_routes,
+    body_limits,
+    json_of,
+    read_body,
+    read_json,
+    refusal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +67,14 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ProtocolError as e:
-        return web.json_response(error_body(e), status=400)
+        return refusal(e)
     except web.HTTPException as e:
         if e.status >= 400:
-            return web.json_response(error_body(f"{e.reason}: {request.method} {request.path}"), status=e.status)
+            return refusal(ProtocolError("", f"{e.reason}: {request.method} {request.path}", status=e.status))
         raise
     except asyncio.CancelledError:
         raise
-    except Exception as e:  # noqa: BLE001 - a bad request must never take the server down
+    except Exception as e:  # a bad request must never take the server down
         logger.exception("error serving %s", request.path)
         return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
 
@@ -78,21 +94,30 @@ def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
     )
 
 
-async def generate(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await read_json(request)
+def _prepare_generate(engine: NativeEngine, adm: Admission, raw: bytes):
+    """Parse, validate and tokenize a `/generate` body (on a prepare thread)."""
+    body = json_of(raw)
     stream = pop_stream_flag(body)
-    inputs, is_batch = parse_generate_request(body)
+    inputs, is_batch = parse_generate_request(body, max_prompts=adm.max_prompts,
+                                              max_prompt_tokens=adm.max_prompt_tokens)
+    field = "input_ids" if inputs[0].text is None else "text"
     for k, inp in enumerate(inputs):
-        name = "input_ids" if inp.text is None else "text"
-        if is_batch:
-            name = f"{name}[{k}]"
+        name = f"{field}[{k}]" if is_batch else field
         if inp.text is not None:
-            inp.input_ids = engine.tokenizer.encode(inp.text)
+            inp.input_ids = tokenize(engine.tokenizer, inp.text, name)
+        adm.check_prompt_tokens(len(inp.input_ids), name)
         check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
         engine.check_lora(inp.lora_name)
+    return stream, inputs, is_batch, field
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine, adm = request.app[ENGINE_KEY], request.app[ADMISSION_KEY]
+    raw = await read_body(request)
+    stream, inputs, is_batch, field = await adm.prepare(_prepare_generate, engine, adm, raw)
+    adm.check_queue(engine, len(inputs), field)  # no await from here to the submits: the check holds
     if stream:
         return await stream_generate(request, engine, inputs, is_batch, request.app[INCREMENTAL_STREAM_KEY])
     futs = [submit(engine, inp) for inp in inputs]
@@ -122,7 +147,7 @@ async def health_generate(request: web.Request) -> web.Response:
     )
     try:
         await asyncio.wait_for(submit(engine, inp), timeout=120)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         engine.abort(inp.rid)
         return web.json_response(error_body("health generation timed out"), status=503)
     return web.json_response({"status": "ok"})
@@ -156,6 +181,7 @@ async def get_server_info(request: web.Request) -> web.Response:
             "max_context_length": engine.max_context_length,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "weight_update_groups": sorted(engine._groups),
+            "weight_group_operations_waiting": request.app[ADMISSION_KEY].groups.pending(),
             "random_seed": engine.random_seed,
         }
     )
@@ -207,15 +233,18 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         )
     version = parse_weight_version(request.query.get("weight_version"))
     flush = parse_bool_param(request.query.get("flush_cache"), "flush_cache", True)
-    data = await request.read()
+    data = await read_body(request)
     if not data:
         raise ProtocolError("body", "empty body; expected safetensors bytes")
+    what = f"the safetensors bytes sent to {Route.UPDATE_WEIGHTS_FROM_TENSOR.path} are"
 
     def _load_and_apply():
+        # names, shapes and sizes from the header first: nothing is allocated for a refused payload
+        engine.check_safetensors_header(safetensors_header(data, "body", what))
         try:
             tensors = load(data)
         except Exception as e:  # noqa: BLE001
-            raise ProtocolError("body", f"not a safetensors payload: {e}") from None
+            raise ProtocolError("body", f"{what} not a safetensors payload: {e}") from None
         v = engine.update_weights(tensors, weight_version=version)
         if flush:
             engine.flush_cache()
@@ -239,15 +268,18 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     check_request(request, master_address=kw["master_address"])
     access = request.app.get(ACCESS_KEY)
     bind = access.host if access is not None else None  # its gloo sockets on the server's own address
-    try:
-        await asyncio.get_running_loop().run_in_executor(
-            None, lambda: engine.init_weights_update_group(**kw, bind_address=bind))
+    adm = request.app[ADMISSION_KEY]
+    try:  # on a thread of its own, bounded by --weight-group-timeout: a peer that never comes holds only it
+        await adm.groups.run(Route.INIT_WEIGHTS_UPDATE_GROUP.path, lambda: engine.init_weights_update_group(
+            **kw, timeout_s=adm.group_timeout, bind_address=bind), key=kw["group_name"])
     except ProtocolError:
         raise
     except Exception as e:  # noqa: BLE001 - rendezvous failed (timeout, unreachable master): report, keep serving
-        logger.exception("init_weights_update_group failed")
-        return web.json_response({"success": False, "message": f"failed to join group {kw['group_name']!r}: "
-                                  f"{type(e).__name__}: {e}", "weight_version": engine.weight_version}, status=400)
+        logger.warning("init_weights_update_group %r failed: %s", kw["group_name"], e)
+        why = (str(e).strip().splitlines() or [""])[0]
+        return web.json_response({"success": False, "message": f"failed to join group {kw['group_name']!r} within "
+                                  f"--weight-group-timeout {adm.group_timeout:g}s: {type(e).__name__}: {why}",
+                                  "weight_version": engine.weight_version}, status=400)
     return web.json_response({"success": True, "message": f"joined weight update group {kw['group_name']!r} as "
                               f"rank {kw['rank_offset']} of {kw['world_size']}",
                               "weight_version": engine.weight_version})
@@ -259,9 +291,10 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if kw["group_name"] not in engine._groups:
         raise ProtocolError("group_name", f"no weight update group named {kw['group_name']!r}; "
                                           "call /init_weights_update_group first")
+    dtypes = [getattr(torch, d) for d in kw["dtypes"]]
+    engine.check_distributed(kw["names"], dtypes, kw["shapes"])  # before anything is received or aborted
     if kw["abort_all_requests"]:
         engine.abort(abort_all=True)
-    dtypes = [getattr(torch, d) for d in kw["dtypes"]]
 
     def _recv():
         v = engine.update_weights_from_distributed(kw["names"], dtypes, kw["shapes"], kw["group_name"],
@@ -270,7 +303,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             engine.flush_cache()
         return v
 
-    v = await asyncio.get_running_loop().run_in_executor(None, _recv)
+    v = await request.app[ADMISSION_KEY].groups.run(Route.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path, _recv)
     return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
                               "weight_version": v, "num_tensors": len(kw["names"])})
 
@@ -278,7 +311,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     name = parse_destroy_weights_update_group(await read_json(request, allow_empty=True))
-    if not engine.destroy_weights_update_group(name):
+    if not await asyncio.get_running_loop().run_in_executor(None, engine.destroy_weights_update_group, name):
         raise ProtocolError("group_name", f"no weight update group named {name!r}")
     return web.json_response({"success": True, "message": f"destroyed {name!r}", "weight_version": engine.weight_version})
 
@@ -354,19 +387,30 @@ HANDLERS = {
 
 
 def create_app(engine: NativeEngine, shutdown_engine: bool = True,
-               incremental_streaming_output: bool = False, access: Access | None = None) -> web.Application:
+               incremental_streaming_output: bool = False, access: Access | None = None,
+               limits: ServerLimits | None = None) -> web.Application:
     """An aiohttp application serving `engine` (started here if it is not running).
 
     `incremental_streaming_output`: streamed `/generate` events carry only the text, token
     ids and log-probs new since the previous event (SGLang's flag); default cumulative.
-    `access`: who may call it (`slime.engines.auth`); the command line always gives one."""
-    app = web.Application(middlewares=([guard(access)] if access else []) + [_errors], client_max_size=1 << 40)
+    `access`: who may call it (`slime.engines.auth`); the command line always gives one.
+    `limits`: what a request may ask for (`limits.py`; default `ServerLimits()`)."""
+    adm = Admission(engine, limits)
+    app = web.Application(middlewares=[guard(access)] if access else [], client_max_size=adm.largest_body + 1)
+    body_limits(app, adm.caps, adm.default_cap)  # after the guard: a caller without the key learns no caps
+    app.middlewares.append(_errors)
     if access is not None:
         app[ACCESS_KEY] = access
     app[ENGINE_KEY] = engine
+    app[ADMISSION_KEY] = adm
     app[INCREMENTAL_STREAM_KEY] = incremental_streaming_output
     add_routes(app, {**HANDLERS, **OPENAI_HANDLERS})
     engine.start()
+
+    async def _close_threads(app):
+        adm.close()
+
+    app.on_cleanup.append(_close_threads)
 
     if shutdown_engine:
 

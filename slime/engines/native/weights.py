@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 from pathlib import Path
 
@@ -17,29 +18,66 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from slime.engines.control import Route
 from slime.engines.native.weight_group import destroy_group, new_group
 from slime.engines.protocol import ProtocolError
 from slime.utils import run_dirs
 from slime.utils.weights import tensor_digest
 
+MAX_ELEMENT_BYTES = 8  # the widest dtype a weight update may send (float64 / int64)
+
 
 class EngineWeights:
     """Mixed into `NativeEngine`; uses its model, device, lock and statistics."""
 
+    def _check_meta(self, name: str, shape, is_float: bool, dtype, field: str | None = None) -> torch.Tensor | None:
+        """The parameter `name` an incoming tensor of `shape` / `dtype` is copied into; ProtocolError
+        (naming `field`, default the name) when the model has no such parameter, or it has
+        another shape, or a floating parameter would get integers."""
+        p = self._params_by_name.get(name)
+        who = "" if field is None else f"{name!r}: "
+        field = name if field is None else field
+        if p is None:
+            raise ProtocolError(field, f"{who}unknown parameter name (not in the model's state dict)")
+        if tuple(shape) != tuple(p.shape):
+            raise ProtocolError(field, f"{who}shape mismatch: got {tuple(shape)}, model has {tuple(p.shape)}")
+        if not (is_float or not p.is_floating_point()):
+            raise ProtocolError(field, f"{who}dtype mismatch: got {dtype}, model has {p.dtype}")
+        return p
+
     def _check_tensors(self, tensors: dict[str, torch.Tensor], skip_unknown_suffixes=()) -> list[tuple]:
         pairs = []
         for name, t in tensors.items():
-            p = self._params_by_name.get(name)
-            if p is None:
-                if any(name.endswith(s) for s in skip_unknown_suffixes):
-                    continue
-                raise ProtocolError(name, "unknown parameter name (not in the model's state dict)")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ProtocolError(name, f"shape mismatch: got {tuple(t.shape)}, model has {tuple(p.shape)}")
-            if not (t.is_floating_point() or not p.is_floating_point()):
-                raise ProtocolError(name, f"dtype mismatch: got {t.dtype}, model has {p.dtype}")
-            pairs.append((p, t))
+            if name not in self._params_by_name and any(name.endswith(s) for s in skip_unknown_suffixes):
+                continue
+            pairs.append((self._check_meta(name, t.shape, t.is_floating_point(), t.dtype), t))
         return pairs
+
+    def check_safetensors_header(self, header: dict[str, tuple[str, list[int]]],
+                                 skip_unknown_suffixes: tuple[str, ...] = ()) -> None:
+        """Check the tensors a safetensors header announces against the model, before any is loaded."""
+        self._check_weights_resident()
+        for name, (dtype, shape) in header.items():
+            if name not in self._params_by_name and any(name.endswith(s) for s in skip_unknown_suffixes):
+                continue
+            self._check_meta(name, shape, dtype.startswith(("F", "BF")), dtype)
+
+    def check_distributed(self, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]) -> None:
+        """Check what `/update_weights_from_distributed` announces against the model before anything
+        is received (a shape the model does not have is never allocated)."""
+        self._check_weights_resident()
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+            self._check_meta(name, shape, dtype.is_floating_point, dtype, field=f"names[{i}]")
+
+    def weight_body_bytes(self) -> int:
+        """The most bytes a legal `/update_weights_from_tensor` body takes: every parameter (tied
+        ones under each name) at MAX_ELEMENT_BYTES an element, plus the safetensors header."""
+        data = sum(p.numel() for p in self._params_by_name.values()) * MAX_ELEMENT_BYTES
+        return data + 8 + (1 << 20) + self.parameter_names_bytes()
+
+    def parameter_names_bytes(self) -> int:
+        """Room for every parameter's name with its dtype and shape in a JSON body or a header."""
+        return sum(len(n) + 128 for n in self._params_by_name)
 
     def update_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> str:
         """Copy tensors (by Hugging Face parameter name) into the model in place, between
@@ -60,10 +98,17 @@ class EngineWeights:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ProtocolError("model_path", f"no *.safetensors files in {model_path!r}")
+        skip = ("rotary_emb.inv_freq",)
+        for f in files:  # every file's header is checked before any file is loaded
+            self.check_safetensors_header(safetensors_file_header(f), skip)
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
-            tensors.update(load_file(str(f)))
-        version = self._copy_in(tensors, weight_version, skip_unknown_suffixes=("rotary_emb.inv_freq",))
+            try:
+                tensors.update(load_file(str(f)))
+            except Exception as e:  # noqa: BLE001 - a file the header check passed but safetensors refuses
+                raise ProtocolError("model_path", f"{Route.UPDATE_WEIGHTS_FROM_DISK.path}: {f} is not a safetensors file "
+                                                  f"({type(e).__name__}: {e})") from None
+        version = self._copy_in(tensors, weight_version, skip_unknown_suffixes=skip)
         self.model_path = str(model_path)
         return version
 
@@ -124,13 +169,14 @@ class EngineWeights:
                                         weight_version: str | None = None) -> str:
         """Receive one broadcast per name from rank 0 of `group_name`, then copy them in place.
 
-        Every tensor is received even when a name or shape does not match the model, so the
-        trainer's broadcasts always complete; the mismatch is reported afterwards (ProtocolError)
-        and nothing is copied."""
+        Names, dtypes and shapes are checked against the model first (`check_distributed`): a
+        mismatch is a ProtocolError before anything is received (the trainer's end sees the refusal
+        and stops broadcasting), and nothing is copied."""
         entry = self._groups.get(group_name)
         if entry is None:
             raise ProtocolError("group_name", f"no weight update group named {group_name!r}; "
                                               "call /init_weights_update_group first")
+        self.check_distributed(names, dtypes, shapes)
         pg, _, _, backend, _ = entry
         dev = self.device if backend == "nccl" else torch.device("cpu")
         received = {}
@@ -205,6 +251,54 @@ class EngineWeights:
                 p.data = torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t)
 
         run_dirs.release(os.path.dirname(data))
+
+
+def safetensors_header(data: bytes, field: str, what: str, size: int | None = None) -> dict[str, tuple[str, list]]:
+    """{name: (dtype, shape)} from the start of a safetensors payload (`data`: at least its header;
+    `size`: the payload's whole length, default len(data)). ProtocolError(field, ...) when it is
+    truncated or not safetensors; `what` is the message's subject with its verb ("the bytes ... are")."""
+    size = len(data) if size is None else size
+    if size < 8:
+        raise ProtocolError(field, f"{what} truncated: {size} bytes, fewer than the 8 of the header's length")
+    hlen = int.from_bytes(bytes(data[:8]), "little")
+    if hlen > size - 8:
+        raise ProtocolError(field, f"{what} truncated: the header says it is {hlen} bytes, {size - 8} follow")
+    try:
+        header = json.loads(bytes(data[8:8 + hlen]))
+    except (ValueError, RecursionError):
+        raise ProtocolError(field, f"{what} not safetensors: the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(field, f"{what} not safetensors: the header is not a JSON object")
+    out, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (isinstance(dtype, str) and isinstance(shape, list)
+                  and all(isinstance(x, int) and x >= 0 for x in [*shape, begin, stop]) and begin <= stop)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise ProtocolError(field, f"{what} not safetensors: the header's entry {name!r} is malformed")
+        out[name] = (dtype, shape)
+        end = max(end, stop)
+    if end > size - 8 - hlen:
+        raise ProtocolError(field, f"{what} truncated: the header places tensor data up to byte {end}, "
+                                   f"{size - 8 - hlen} bytes of it arrived")
+    return out
+
+
+def safetensors_file_header(path: Path) -> dict[str, tuple[str, list]]:
+    """`safetensors_header` of a file (reads only its header)."""
+    what = f"{Route.UPDATE_WEIGHTS_FROM_DISK.path}: {path} is"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        hlen = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if len(head) == 8 and hlen <= size - 8:
+            head += f.read(hlen)
+    return safetensors_header(head, "model_path", what, size=size)
 
 
 def _trim_heap() -> None:

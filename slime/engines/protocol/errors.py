@@ -8,11 +8,14 @@ from typing import Any
 
 
 class ProtocolError(ValueError):
-    """A malformed request. `field` names the offending field (dotted path)."""
+    """A malformed request. `field` names the offending field (dotted path); `status` is the HTTP
+    status a server answers it with: 400, or 413 (a body over the route's limit) and 429 (more
+    generations than the engine's queue holds)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, status: int = 400):
         self.field = field
         self.message = message
+        self.status = status
         super().__init__(f"{field}: {message}" if field else message)
 
 

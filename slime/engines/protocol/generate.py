@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from slime.engines.protocol.errors import ProtocolError, is_int
 from slime.engines.protocol.sampling import SamplingParams, parse_sampling_params
@@ -55,33 +58,77 @@ _NEUTRAL_TOP_KEYS = {
 }
 
 
-def parse_json_body(raw: bytes | str) -> Any:
-    """Decode a JSON request body, raising ProtocolError('body', ...) when malformed."""
-    try:
-        if isinstance(raw, bytes):
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; SGLang's and OpenAI's bodies need fewer than 10
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of a well-formed JSON text nest (0 for a scalar)."""
+    if text.count("[") + text.count("{") <= 1:
+        return int("[" in text or "{" in text)
+    bare = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "surrogatepass"), dtype=np.uint8)
+    step = ((bare == ord("[")) | (bare == ord("{"))).astype(np.int64) - ((bare == ord("]")) | (bare == ord("}")))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_json_body(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Decode a JSON request body, raising ProtocolError('body', ...) when it is not UTF-8, not JSON,
+    or nests arrays and objects deeper than `max_depth`."""
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = bytes(raw)
+        try:
             raw = raw.decode("utf-8")
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise ProtocolError("body", f"is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                                        f"({e.reason})") from None
+    too_deep = ProtocolError("body", f"JSON nested deeper than {max_depth} levels of arrays and objects")
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
         raise ProtocolError("body", f"malformed JSON: {e}") from None
+    if raw.count("[") + raw.count("{") > max_depth and json_depth(raw) > max_depth:
+        raise too_deep
+    return value
 
 
-def _check_ids(ids: Any, name: str) -> list[int]:
+def _check_ids(ids: Any, name: str, max_tokens: int | None = None) -> list[int]:
     if not isinstance(ids, list):
         raise ProtocolError(name, f"must be a list of token ids, got {type(ids).__name__}")
     if not ids:
         raise ProtocolError(name, "must not be empty")
+    if max_tokens is not None:
+        check_prompt_length(len(ids), max_tokens, name)
     for i, x in enumerate(ids):
         if not is_int(x) or x < 0:
             raise ProtocolError(f"{name}[{i}]", f"must be a non-negative integer token id, got {x!r}")
     return ids
 
 
-def parse_generate_request(body: Any) -> tuple[list[GenerateInput], bool]:
+def check_prompt_length(num_tokens: int, max_tokens: int, name: str) -> None:
+    """A prompt of `num_tokens` tokens is refused when over the server's cap (--max-prompt-tokens)."""
+    if num_tokens > max_tokens:
+        raise ProtocolError(name, f"the prompt has {num_tokens} tokens, more than the {max_tokens} this server "
+                                  "takes (--max-prompt-tokens, below the model's context length)")
+
+
+def check_prompt_count(count: int, max_prompts: int, name: str) -> None:
+    """A request with more prompts than the server takes at once (--max-prompts-per-request) is refused."""
+    if count > max_prompts:
+        raise ProtocolError(name, f"{count} prompts in one request, more than the {max_prompts} this server takes "
+                                  "(--max-prompts-per-request)")
+
+
+def parse_generate_request(body: Any, max_prompts: int | None = None,
+                           max_prompt_tokens: int | None = None) -> tuple[list[GenerateInput], bool]:
     """Validate a decoded `/generate` body.
 
     Returns `(inputs, is_batch)`: SGLang's batch form (`input_ids` a list of lists or
     `text` a list of strings, with `sampling_params`/`rid` either shared or one per
-    item) yields several inputs and a list response.
+    item) yields several inputs and a list response. A server's caps, when given, are checked
+    before the prompts' items: a batch of more than `max_prompts` prompts, a token-id prompt
+    longer than `max_prompt_tokens`.
     """
     if not isinstance(body, dict):
         raise ProtocolError("body", f"must be a JSON object, got {type(body).__name__}")
@@ -108,15 +155,19 @@ def parse_generate_request(body: Any) -> tuple[list[GenerateInput], bool]:
         ids = body["input_ids"]
         is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
         if is_batch:
-            prompts = [("ids", _check_ids(x, f"input_ids[{i}]")) for i, x in enumerate(ids)]
+            if max_prompts is not None:
+                check_prompt_count(len(ids), max_prompts, "input_ids")
+            prompts = [("ids", _check_ids(x, f"input_ids[{i}]", max_prompt_tokens)) for i, x in enumerate(ids)]
         else:
-            prompts = [("ids", _check_ids(ids, "input_ids"))]
+            prompts = [("ids", _check_ids(ids, "input_ids", max_prompt_tokens))]
     else:
         text = body["text"]
         is_batch = isinstance(text, list)
         if is_batch:
             if not text:
                 raise ProtocolError("text", "must not be empty")
+            if max_prompts is not None:
+                check_prompt_count(len(text), max_prompts, "text")
             for i, t in enumerate(text):
                 if not isinstance(t, str) or not t:
                     raise ProtocolError(f"text[{i}]", "must be a non-empty string")
