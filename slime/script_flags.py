@@ -192,8 +192,9 @@ FLAGS: tuple[ScriptFlag, ...] = (
     ScriptFlag("--opd-kl-coef", dict(type=float, default=None), _refuse("on-policy distillation is not built yet")),
     ScriptFlag("--opd-teacher-load", dict(default=None), _refuse("on-policy distillation is not built yet")),
     ScriptFlag("--deterministic-mode", _switch(),
-               _refuse("batch-invariant (deterministic) engine numerics are not built yet; a fixed --seed gives "
-                       "equal metrics except the engine/trainer log-prob difference")),
+               _megatron_only_refused("deterministic trainer reductions are built for --train-backend fsdp only"),
+               stated="batch-invariant engine numerics and deterministic trainer algorithms: the same --seed gives "
+                      "bitwise-identical rollouts, log-probs and metrics (docs/reproducibility.md)"),
     ScriptFlag("--eval-config", dict(default=None),
                _refuse("per-dataset evaluation settings from a YAML file are not built; give --eval-prompt-data "
                        "NAME PATH [NAME PATH ...] with --n-samples-per-eval-prompt / --eval-* flags")),

@@ -8,7 +8,10 @@ An `EngineKind` says everything that differs between them:
 - `update_weights_modes` and `default_update_weights_mode(colocate)`: how weights may reach it
   (`--update-weights-mode`; `auto` resolves here) and `weight_group_ranks(args)`: how many ranks one
   engine joins a broadcast group with; `weight_update_sessions`: SGLang's begin/end around a push;
-- `pause_mode`: how `/pause_generation` holds the requests in flight while the weights change.
+- `pause_mode`: how `/pause_generation` holds the requests in flight while the weights change;
+- `deterministic_flags(args)` / `launch_env(args)`: what `--deterministic-mode` turns on in the server
+  (batch-invariant numerics): `--enable-deterministic-inference` for the native engine and SGLang,
+  `VLLM_BATCH_INVARIANT=1` for vLLM (docs/reproducibility.md).
 
 Nothing else in slime branches on the engine kind: code asks `engine_kind(args)`.
 """
@@ -40,7 +43,17 @@ class EngineKind:
 
     def launch_command(self, args, rank: int, host: str, port: int, master_addresses: list[str]) -> list[str]:
         """What the launcher runs: `command` with the `access_flags` where the server reads them."""
-        return self.command(args, rank, host, port) + self.access_flags(args, master_addresses)
+        return (self.command(args, rank, host, port) + self.deterministic_flags(args)
+                + self.access_flags(args, master_addresses))
+
+    def deterministic_flags(self, args) -> list[str]:
+        """--deterministic-mode: the server flag of batch-invariant numerics (SGLang's name; the
+        native engine takes the same one)."""
+        return ["--enable-deterministic-inference"] if args.deterministic_mode else []
+
+    def launch_env(self, args) -> dict[str, str]:
+        """Environment variables the server process needs on top of the launcher's."""
+        return {}
 
     def check(self, args) -> None:
         """Parse-time checks of the kind's own flags; raises SlimeConfigError naming the flag."""
@@ -146,6 +159,13 @@ class VllmKind(EngineKind):
 
     def own_args(self, args):
         return args.vllm_args
+
+    def deterministic_flags(self, args):
+        return []  # vLLM has no such flag: batch invariance is an environment variable
+
+    def launch_env(self, args):
+        # vLLM's batch-invariant kernels (NVIDIA GPUs; docs.vllm.ai features/batch_invariance)
+        return {"VLLM_BATCH_INVARIANT": "1"} if args.deterministic_mode else {}
 
     def default_dtype(self, args):
         return checkpoint_dtype(args.hf_checkpoint)  # vLLM's CPU backend would downcast float32 otherwise

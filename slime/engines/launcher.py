@@ -20,7 +20,11 @@ from slime.engines.auth import API_KEY_ENV
 from slime.engines.kinds import engine_kind
 from slime.engines.startup import ForeignListener, wait_until_healthy
 from slime.utils.net import cluster_addresses, free_port, node_address
-from slime.utils.processes import die_with_parent, kill_process_group, stop_process_group
+from slime.utils.processes import (
+    die_with_parent,
+    kill_process_group,
+    stop_process_group,
+)
 from slime.utils.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
@@ -49,12 +53,13 @@ class EngineServer:
 
     def _launch(self, port: int) -> str:
         host = node_address()
-        cmd = engine_kind(self.args).launch_command(self.args, self.rank, host, port, cluster_addresses())
+        kind = engine_kind(self.args)
+        cmd = kind.launch_command(self.args, self.rank, host, port, cluster_addresses())
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"engine_{self.rank}.log"
         env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1",
-                   **{API_KEY_ENV: self.args.engine_api_key})
+                   **{API_KEY_ENV: self.args.engine_api_key}, **kind.launch_env(self.args))
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

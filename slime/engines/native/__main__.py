@@ -37,6 +37,7 @@ async def _serve(args) -> None:
         context_length=args.context_length,
         max_prefill_tokens=args.max_prefill_tokens,
         max_total_tokens=args.max_total_tokens,
+        deterministic=args.enable_deterministic_inference,
     )
     access = access_of(args)
     if access.api_key is None:

@@ -21,6 +21,10 @@ ids (the count of real tokens before each one), so a padded row gives the same l
 as an unpadded forward. Each step holds `_step_lock`; weight updates take the same lock
 between steps (and get priority over the next step).
 
+Deterministic mode (`deterministic=True`, `--enable-deterministic-inference`): every sequence
+is its own forward and is sampled alone from its own generator (`batch_invariant.py`), so its
+tokens and log-probs are bitwise the same whatever shares its batch.
+
 LoRA adapters (`lora.py`) ride on forward hooks: each request names its adapter (or none), the
 rows of one batch may mix them, and prefill dedup keys on (adapter, prompt).
 """
@@ -38,10 +42,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slime.engines.native import batch_invariant
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
 from slime.engines.native.lora import EngineLora, LoraState
 from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook
-from slime.engines.native.sampling import sample_next_tokens
+from slime.engines.native.sampling import request_seed, sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (
     GenerateInput,
@@ -78,6 +83,7 @@ class NativeEngine(EngineWeights, EngineLora):
         context_length: int | None = None,
         max_prefill_tokens: int = 16384,
         max_total_tokens: int | None = None,
+        deterministic: bool = False,
     ):
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model path {model_path!r} is not a directory")
@@ -93,6 +99,7 @@ class NativeEngine(EngineWeights, EngineLora):
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.random_seed = random_seed
+        self.deterministic = deterministic  # batch-invariant numerics (batch_invariant.py)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
 
@@ -182,9 +189,10 @@ class NativeEngine(EngineWeights, EngineLora):
         assert inp.input_ids is not None, "tokenize text before submit"
         sp = inp.sampling_params
         gen = None
-        if sp.seed is not None and not sp.greedy:
+        seed = request_seed(self.random_seed, inp.rid) if sp.seed is None and self.deterministic else sp.seed
+        if seed is not None and not sp.greedy:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(sp.seed % (2**64))
+            gen.manual_seed(seed % (2**64))
         req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
                       on_token=on_token, lora_name=inp.lora_name)
         if sp.max_new_tokens == 0:
@@ -306,6 +314,7 @@ class NativeEngine(EngineWeights, EngineLora):
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "memory_released": sorted(self._released),
                 "weight_updates": self._stats["weight_updates"],
+                "deterministic": self.deterministic,
                 "lora_adapters": self.lora_adapters(),
             }
 
@@ -453,26 +462,11 @@ class NativeEngine(EngineWeights, EngineLora):
                 prompts.append(r.input_ids)
                 loras.append(r.lora_name)
             row_of.append(uniq[key])
-        n, L = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, L), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, L), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, L - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        kv = BatchKV(n, L, self.device)
-        kv.prefill_mask(mask)
-        with self._lora_rows(loras):
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=kv.hf_cache(self.num_layers),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        kv.advance(L)
-        logits = out.logits[:, -1, :].float()
+        n = len(prompts)
+        if self.deterministic:
+            kv, logits = batch_invariant.prefill_rows(self, prompts, loras)
+        else:
+            kv, logits = self._prefill_batch(prompts, loras)
         if n != len(reqs):
             logits = logits.index_select(0, torch.tensor(row_of, dtype=torch.long, device=self.device))
         with self._cv:
@@ -493,7 +487,43 @@ class NativeEngine(EngineWeights, EngineLora):
         self._note_kv()
         self._append_tokens(reqs, tokens)
 
+    def _prefill_batch(self, prompts: list[list[int]], loras: list[str | None]) -> tuple[BatchKV, torch.Tensor]:
+        """One left-padded forward of all prompts: (their cache, last-position logits [n, V] float)."""
+        n, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, L), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, L), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, L - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        kv = BatchKV(n, L, self.device)
+        kv.prefill_mask(mask)
+        with self._lora_rows(loras):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=kv.hf_cache(self.num_layers),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        kv.advance(L)
+        return kv, out.logits[:, -1, :].float()
+
     def _decode(self) -> None:
+        if self.deterministic:
+            logits = batch_invariant.decode_rows(self, self._kv, self._last_tokens, self._running)
+        else:
+            logits = self._decode_batch()
+        self._note_kv()
+        tokens = self._sample(logits, self._running)
+        self._last_tokens = tokens
+        with self._cv:
+            self._stats["decode_steps"] += 1
+        self._append_tokens(self._running, tokens)
+
+    def _decode_batch(self) -> torch.Tensor:
+        """One batched decode step: the running rows' next-token logits [B, V] float."""
         kv = self._kv
         kv.reserve_column(self.max_total_tokens)
         pos = kv.positions()
@@ -507,13 +537,7 @@ class NativeEngine(EngineWeights, EngineLora):
                 use_cache=True,
             )
         kv.advance(1)
-        self._note_kv()
-        logits = out.logits[:, -1, :].float()
-        tokens = self._sample(logits, self._running)
-        self._last_tokens = tokens
-        with self._cv:
-            self._stats["decode_steps"] += 1
-        self._append_tokens(self._running, tokens)
+        return out.logits[:, -1, :].float()
 
     def _retire(self) -> None:
         """Finish rows that have a finish reason; drop them from the batch tensors."""
@@ -538,9 +562,12 @@ class NativeEngine(EngineWeights, EngineLora):
     # ---- sampling
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Sample one token per row and record each row's log-prob of it."""
-        tokens, token_lp = sample_next_tokens(
-            logits, [r.params for r in reqs], [r.generator for r in reqs], self._engine_generator
-        )
+        if self.deterministic:
+            tokens, token_lp = batch_invariant.sample_rows(logits, reqs, self._engine_generator)
+        else:
+            tokens, token_lp = sample_next_tokens(
+                logits, [r.params for r in reqs], [r.generator for r in reqs], self._engine_generator
+            )
         for r, lp in zip(reqs, token_lp.tolist()):
             r.logprobs.append(lp)
         return tokens

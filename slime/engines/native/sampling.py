@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from slime.engines.protocol import SamplingParams
@@ -65,6 +67,14 @@ def sample_next_tokens(
         else:
             tokens[idx] = chosen
     return tokens, logits.gather(1, tokens[:, None]).view(-1) - lse
+
+
+def request_seed(engine_seed: int, rid: str) -> int:
+    """The sampling seed of a request that brings none, in deterministic mode: a function of the
+    engine's --random-seed and the request's rid alone, so its samples do not depend on which
+    requests came before it (the engine's shared generator would)."""
+    key = f"{engine_seed}/{rid}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def _uniforms(generators: list[torch.Generator | None], engine_generator: torch.Generator,

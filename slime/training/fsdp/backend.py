@@ -51,6 +51,7 @@ from slime.algorithms.losses import (
     compute_entropy, compute_log_probs, compute_log_probs_and_entropy, log_probs_from_hidden,
 )
 from slime.training.backend import LossFn, MicroBatch, StepTail
+from slime.training.fsdp import determinism
 from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
@@ -73,6 +74,7 @@ class FSDPBackend(StepTail):
         self.args = args
         self.rank = rank
         self.world_size = world_size
+        determinism.configure(args)  # --deterministic-mode: before any kernel runs
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)

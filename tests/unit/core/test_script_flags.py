@@ -82,7 +82,8 @@ def test_moe_layer_freq_is_an_int_or_a_safe_list_expression():
     (["--optimizer", "sgd"], "--optimizer sgd: only adam"),
     (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer: megatron's precision-aware optimizer"),
     (["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d: needs --optimizer-cpu-offload"),
-    (["--deterministic-mode"], "--deterministic-mode: batch-invariant"),
+    (["--deterministic-mode", "--train-backend", "megatron"], "--deterministic-mode: deterministic trainer "
+                                                              "reductions are built for --train-backend fsdp"),
     (["--eval-config", "multi_task.yaml"], "--eval-config multi_task.yaml: per-dataset evaluation settings"),
     (["--disable-compute-advantages-and-returns"], "--disable-compute-advantages-and-returns: is for --loss-type sft"),
     (["--update-weight-mode", "delta"], "--update-weight-mode delta: delta weight updates"),
