@@ -63,7 +63,8 @@ from slime.engines.protocol import (
     parse_update_weights_from_distributed,
     parse_weight_version,
 )
-from slime.engines.serving import add_routes, read_json
+from slime.engines.serving import add_routes, body_limits, read_body, read_json, refusal
+from slime.engines.vllm.limits import body_caps
 from slime.engines.vllm.errors import HTTPFailure
 from slime.engines.vllm.launch import DEFAULT_ENV, LORA_ENV, REPO_ROOT, SERVED_MODEL_NAME
 from slime.engines.vllm.lora import LoraAdapters, load_lora_adapter, unload_lora_adapter
@@ -165,7 +166,7 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ProtocolError as e:
-        return web.json_response(error_body(e), status=400)
+        return refusal(e)  # 400; 413 (a body over its route's cap, connection closed); 429
     except HTTPFailure as e:
         return web.json_response(error_body(e.message, e.field), status=e.status)
     except UpstreamError as e:
@@ -304,7 +305,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
                                     "Content-Type application/octet-stream")
     version = parse_weight_version(request.query.get("weight_version"))
     flush = parse_bool_param(request.query.get("flush_cache"), "flush_cache", True)
-    data = await request.read()
+    data = await read_body(request)
     if not data:
         raise ProtocolError("body", "empty body; expected safetensors bytes")
     names = safetensors_names(data)
@@ -431,7 +432,11 @@ async def passthrough(request: web.Request) -> web.Response:
 def create_app(state: AdapterState, access: Access | None = None) -> web.Application:
     """The adapter's application; `access`: who may call it (`slime.engines.auth`; the command line
     always gives one)."""
-    app = web.Application(middlewares=([guard(access)] if access else []) + [_errors], client_max_size=1 << 40)
+    caps = body_caps(state.model_path)
+    app = web.Application(middlewares=[guard(access)] if access else [],
+                          client_max_size=max(c for c, _ in caps.values()) + 1)
+    body_limits(app, caps, caps[""])  # after the guard: a caller without the key learns no caps
+    app.middlewares.append(_errors)
     if access is not None:
         app[ACCESS_KEY] = access
     app[STATE] = state

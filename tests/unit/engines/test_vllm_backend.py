@@ -652,3 +652,37 @@ def test_cpu_lora_ops_skip_base_rows():
     op(x, a, every, torch.zeros(3, dtype=torch.long), 0.5)  # no base rows: the op as it was
     bgmv_shrink(x, a, raw, torch.zeros(3, dtype=torch.long), 0.5)
     assert torch.equal(every, raw)
+
+
+def test_adapter_bodies_over_their_caps_are_413_before_they_are_read(adapter):
+    """The adapter's doors are the native engine's: a Content-Length over a route's cap is refused at
+    once (not a byte of the body is sent here), naming the cap, and the adapter keeps serving."""
+    from http.client import HTTPConnection
+
+    from slime.engines.vllm.limits import CONTROL_BODY_BYTES, GENERATION_BODY_BYTES
+
+    url, _, _ = adapter
+    host, port = url.removeprefix("http://").split(":")
+    for path, size, cap, why in (
+            ("/generate", 10**12, GENERATION_BODY_BYTES, "the adapter's cap of a generation request"),
+            ("/update_weights_from_disk", CONTROL_BODY_BYTES + 1, CONTROL_BODY_BYTES,
+             "the adapter's cap of control routes")):
+        conn = HTTPConnection(host, int(port), timeout=10)
+        conn.putrequest("POST", path)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(size))
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 413 and resp.getheader("Connection") == "close"
+        assert json.loads(resp.read())["error"]["message"] == (
+            f"body: {size} bytes is over the {cap}-byte limit of POST {path} ({why})")
+        conn.close()
+    assert http(url, "/health")[0] == 200
+
+
+def test_adapter_weight_cap_follows_the_checkpoint(tmp_path):
+    from slime.engines.vllm.limits import body_caps
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    assert body_caps(str(tmp_path))["/update_weights_from_tensor"] == (
+        4000 + (1 << 20), "4 x the checkpoint's safetensors bytes + 1 MiB")
