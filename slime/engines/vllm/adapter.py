@@ -66,7 +66,7 @@ from slime.engines.protocol import (
 from slime.engines.serving import add_routes, body_limits, read_body, read_json, refusal
 from slime.engines.vllm.limits import body_caps
 from slime.engines.vllm.errors import HTTPFailure
-from slime.engines.vllm.launch import DEFAULT_ENV, LORA_ENV, REPO_ROOT, SERVED_MODEL_NAME
+from slime.engines.vllm.launch import SERVED_MODEL_NAME, vllm_env
 from slime.engines.vllm.lora import LoraAdapters, load_lora_adapter, unload_lora_adapter
 from slime.engines.vllm.translate import (
     UpstreamError,
@@ -478,23 +478,6 @@ def create_app(state: AdapterState, access: Access | None = None) -> web.Applica
 
 
 # ---------------------------------------------------------------- process management
-
-
-def vllm_env(base: dict | None = None, lora: bool = False) -> dict:
-    """The vLLM process's environment: slime's repo on PYTHONPATH (for the worker extension),
-    slime's vLLM defaults where unset, `LORA_ENV` when it serves LoRA adapters (`lora`), and none
-    of slime's venv."""
-    env = dict(os.environ if base is None else base)
-    env.pop("VIRTUAL_ENV", None)
-    env.pop("PYTHONHOME", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                            if p and Path(p).resolve() != REPO_ROOT])
-    for k, v in DEFAULT_ENV.items():
-        env.setdefault(k, v)
-    if lora:
-        env.update(LORA_ENV)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 async def _wait_for_upstream(uds: str, timeout: float, proc: subprocess.Popen) -> None:

@@ -175,3 +175,20 @@ def vllm_command(args, rank: int, host: str, port: int, access: list[str] | tupl
         vllm_args["dtype"] = dtype
     return adapter_command(args.hf_checkpoint, host, port, args.seed + rank, vllm_args,
                            startup_timeout=args.engine_startup_timeout, access=access)
+
+
+def vllm_env(base: dict | None = None, lora: bool = False) -> dict:
+    """The vLLM process's environment: slime's repo on PYTHONPATH (for the worker extension),
+    slime's vLLM defaults where unset, `LORA_ENV` when it serves LoRA adapters (`lora`), and none
+    of slime's venv."""
+    env = dict(os.environ if base is None else base)
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONHOME", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                            if p and Path(p).resolve() != REPO_ROOT])
+    for k, v in DEFAULT_ENV.items():
+        env.setdefault(k, v)
+    if lora:
+        env.update(LORA_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

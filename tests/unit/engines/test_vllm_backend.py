@@ -93,7 +93,7 @@ def test_vllm_command_wraps_vllm_server(tmp_path, monkeypatch):
 def test_vllm_command_serves_lora_adapters(tmp_path, monkeypatch):
     """--lora-rank with --lora-sync adapter: vLLM gets --enable-lora, a --max-lora-rank it accepts
     and one adapter slot; the adapter starts it with runtime LoRA updating on."""
-    from slime.engines.vllm.adapter import vllm_env
+    from slime.engines.vllm.launch import vllm_env
 
     monkeypatch.setenv("SLIME_VLLM_VENV", str(fake_venv(tmp_path)))
     model = tmp_path / "model"
