@@ -14,11 +14,13 @@ print them as one line (see `slime.utils.errors.run_main`).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import secrets
 import sys
 from pathlib import Path
 
+from slime import config_file
 from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-exported)
     POLICY_LOSS_OF_ESTIMATOR,
     check_checkpoint_dirs,
@@ -135,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-key", default=None)
     g.add_argument("--metadata-key", default="metadata")
     g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--apply-chat-template-kwargs", type=config_file.json_object, default=None, metavar="JSON",
+                   help='a JSON object of keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--tool-key", default=None,
                    help="row field with a list of tool schemas for the chat template (kept in metadata['tools'])")
     g.add_argument("--rollout-shuffle", action="store_true")
@@ -376,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--output-dir", default=None, help="metrics and logs (default: a new folder under ./outputs)")
+    g.add_argument("--config", default=None, metavar="PATH",
+                   help="a YAML file of flags (name: value); command-line flags win")
+    g.add_argument("--print-config", action="store_true", help="print the flags as a --config file and exit")
 
     g = p.add_argument_group("debug")
     g.add_argument("--debug-rollout-only", action="store_true",
@@ -458,6 +465,8 @@ def validate(args: Args) -> Args:
             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
     if args.prompt_data is not None:
         require(_data_file(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
+    require(args.apply_chat_template_kwargs is None or args.apply_chat_template,
+            "--apply-chat-template-kwargs needs --apply-chat-template (its keys go to the chat template)")
     args.eval_sets = _parse_eval_sets(args.eval_prompt_data)
     for name, path in args.eval_sets.items():
         require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
@@ -558,11 +567,13 @@ def _data_file(spec: str) -> Path:
 
 
 def parse_flags(argv: list[str] | None = None) -> Args:
-    """Parse the command line without validating it (no file is read): what a launch script's flags
-    mean to slime. `parse_args` validates the result."""
+    """Parse the command line without validating it (no file is read but a `--config` YAML,
+    whose flags come before the command line's): what a launch script's flags mean to slime.
+    `parse_args` validates the result."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     check_unknown_flags(argv, parser, PASS_THROUGH_PREFIXES)
+    argv = config_file.with_config(argv, parser, PASS_THROUGH_PREFIXES)  # the file's flags first: argv wins
     args, extra = parser.parse_known_args(argv, namespace=Args())
     passed = collect_pass_through(extra, PASS_THROUGH_PREFIXES, argv)
     args.sglang_args, args.vllm_args = passed[SGLANG_PREFIX], passed[VLLM_PREFIX]
@@ -574,4 +585,9 @@ def parse_args(argv: list[str] | None = None, overlap_training: bool = False) ->
     (train_async.py), which decides how the two share this machine's CPUs (`cpu_threads`)."""
     args = parse_flags(argv)
     args.overlap_training = overlap_training
-    return validate(args)
+    given = copy.deepcopy(vars(args)) if args.print_config else None
+    args = validate(args)
+    if args.print_config:  # train.py and train_async.py: nothing starts
+        print(config_file.dump_config(build_parser(), given, args, PASS_THROUGH_PREFIXES), end="")
+        sys.exit(0)
+    return args

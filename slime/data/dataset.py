@@ -2,7 +2,8 @@
 
 A row's prompt (under `--input-key`) is a string or a list of chat messages
 (`{"role": ..., "content": ...}`); with `--apply-chat-template` it is rendered by
-the tokenizer's chat template (a string becomes one user message). The label
+the tokenizer's chat template (a string becomes one user message), with the template variables of
+`--apply-chat-template-kwargs` (e.g. `{"enable_thinking": false}`). The label
 (`--label-key`) and metadata (`--metadata-key`, a dict) travel with the sample.
 Every error names the file and the line (JSONL) or row (Parquet) and the field.
 """
@@ -92,12 +93,13 @@ def check_messages(where: str, key: str, messages: list) -> None:
             )
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool, tools: list | None = None) -> str:
+def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool, tools: list | None = None,
+                  chat_template_kwargs: dict | None = None) -> str:
     """The text the model continues: the chat template's rendering (with the row's tool schemas,
-    `--tool-key`, when it has them), or the raw string."""
+    `--tool-key`, when it has them, and the variables of `--apply-chat-template-kwargs`), or the raw string."""
     if apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        kwargs = {"tools": tools} if tools else {}
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert isinstance(prompt, str)
     return prompt
@@ -112,12 +114,14 @@ def load_prompts(
     apply_chat_template: bool = False,
     max_prompt_len: int | None = None,
     tool_key: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[Prompt]:
     """Read and tokenize every row; prompts over `max_prompt_len` tokens are dropped with a counted warning.
 
     `path` may end in a row slice, `data.jsonl@[start:end]` (Python slice bounds, either may be
     omitted or negative), to use part of a file. A row's `tool_key` field (a list of tool schemas)
-    goes to the chat template and into the sample's metadata as `tools`.
+    goes to the chat template and into the sample's metadata as `tools`; `chat_template_kwargs`
+    (`--apply-chat-template-kwargs`) are the chat template's keyword arguments.
     """
     path, rows = split_slice(str(path))
     if not path.is_file():
@@ -152,7 +156,7 @@ def load_prompts(
             if not apply_chat_template:
                 raise DataError(f"{where}: field {tool_key!r} (--tool-key) needs --apply-chat-template")
             metadata = {**metadata, "tools": tools}
-        text = render_prompt(tokenizer, prompt, apply_chat_template, tools)
+        text = render_prompt(tokenizer, prompt, apply_chat_template, tools, chat_template_kwargs)
         input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not input_ids:
             raise DataError(f"{where}: field {input_key!r} is empty after tokenization")

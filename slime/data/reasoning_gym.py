@@ -67,7 +67,8 @@ class ReasoningGymDataSource(RolloutDataSource):
             cfg = dict(cfg or {})
             size, seed = int(cfg.pop("size", 100)), int(cfg.pop("seed", args.rollout_seed))
             for i, row in enumerate(make_rows(name, size, seed, instruction, cfg)):
-                text = render_prompt(tokenizer, row["prompt"], args.apply_chat_template)
+                text = render_prompt(tokenizer, row["prompt"], args.apply_chat_template,
+                                     chat_template_kwargs=args.apply_chat_template_kwargs)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 if args.rollout_max_prompt_len is not None and len(ids) > args.rollout_max_prompt_len:
                     continue

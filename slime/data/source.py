@@ -141,7 +141,8 @@ class RolloutDataSource:
         if prompts is None:
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompts = load_prompts(args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
-                                   args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key)
+                                   args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,
+                                   args.apply_chat_template_kwargs)
         self.prompts = PromptOrder(prompts, shuffle=args.rollout_shuffle, seed=args.rollout_seed)
         self.to_sample = to_sample
         self.buffer: list[list[Sample]] = []
@@ -196,5 +197,5 @@ def make_data_source(args, tokenizer) -> DataSource | None:
     if args.prompt_data is not None:
         return RolloutDataSource(args, load_prompts(
             args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
-            args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key))
+            args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key, args.apply_chat_template_kwargs))
     return None

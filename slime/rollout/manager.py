@@ -66,7 +66,8 @@ class RolloutManager:
         api.set_context(api.RolloutContext(args, self.tokenizer, None, "", args.custom_config))
         self.data_source = make_data_source(args, self.tokenizer)
         self.eval_sets = {name: load_prompts(path, self.tokenizer, args.input_key, args.label_key, args.metadata_key,
-                                             args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key)
+                                             args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,
+                                             args.apply_chat_template_kwargs)
                           for name, path in args.eval_sets.items()}
         self.ext = Extensions.load(args)
         # SFT and --debug-train-only start no engines

@@ -31,20 +31,22 @@ _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}
 
 
 def env_message_tokens(tokenizer, messages: list[dict[str, Any]], turn_ended: bool = True,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids that follow a model turn when `messages` are appended to the chat.
 
     The chat template renders a fixed two-turn conversation with and without `messages`; the
     text after the assistant turn's end-of-turn token (the tokenizer's EOS, e.g. `<|im_end|>`) is
     what the environment adds. When the model's turn did not end with that token (it stopped on a
     stop string or a tool-call close tag), `turn_ended=False` puts the token first.
+    `chat_template_kwargs`: template variables, as `--apply-chat-template-kwargs` gives the prompt's.
     """
     eos = tokenizer.eos_token
     if eos is None:
         raise ValueError("env_message_tokens needs a tokenizer with an eos_token that ends a chat turn")
-    base = tokenizer.apply_chat_template(_BASE, tokenize=False)
+    kwargs = chat_template_kwargs or {}
+    base = tokenizer.apply_chat_template(_BASE, tokenize=False, **kwargs)
     full = tokenizer.apply_chat_template(_BASE + list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
     cut = base.rfind(eos)
     if cut < 0 or not full.startswith(base[: cut + len(eos)]):
         raise ValueError("the chat template does not end an assistant turn with the EOS token; "
@@ -135,7 +137,8 @@ async def run_tool_loop(args, sample: Sample, sampling_params: dict, tools: dict
         results = [await call_tool(tools, c, tool_timeout) for c in calls]
         n_calls += len(calls)
         ended = bool(out.output_ids) and out.output_ids[-1] == tokenizer.eos_token_id
-        ids = env_message_tokens(tokenizer, tool_messages(calls, results), turn_ended=ended)
+        ids = env_message_tokens(tokenizer, tool_messages(calls, results), turn_ended=ended,
+                                 chat_template_kwargs=args.apply_chat_template_kwargs)
         if sample.response_length + len(ids) >= budget:
             sample.status = SampleStatus.TRUNCATED
             break
