@@ -62,7 +62,7 @@ def test_broadcast_layout():
 
 
 _ENGINE_END = """
-import datetime, json, sys, torch
+import datetime, json, os, sys, torch
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
 t = datetime.timedelta(seconds=60)
 store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{sys.argv[1]}", 1, 2, timeout=t))
@@ -71,7 +71,10 @@ pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore("wug", 
 bufs = [torch.empty(3), torch.empty(2, 2, dtype=torch.bfloat16)]
 for w in [pg.broadcast(b, 0) for b in bufs]:
     w.wait()
-print(json.dumps([b.float().tolist() for b in bufs]))
+print(json.dumps([b.float().tolist() for b in bufs]), flush=True)
+# leave without tearing gloo down at interpreter exit: its context's threads may still be joinable
+# there while the other end holds the group, and the C++ runtime then aborts the process
+os._exit(0)
 """
 
 
