@@ -22,8 +22,14 @@ heap's high-water mark rather than what is live (LoRA and full fine-tuning then 
   no reference copy; AdamW state for the adapter only; with `--bf16` the frozen base is kept in
   bf16), alone, in fp32 with recompute and chunked log-probs, and with the other features on.
 
-The reference model is sharded like the policy; with one CPU rank that is one plain copy, so it
-has no row of its own here. The learning-rate schedule changes no memory.
+The reference model is sharded like the policy; with one CPU rank that is one plain copy. What it
+costs is the difference between "all on" and the same with the KL loss off (no reference model),
+printed below the table. The learning-rate schedule changes no memory.
+
+On a GPU the same command reports the CUDA peak (`torch.cuda.max_memory_allocated`, the whole
+process and the second step alone, as the trainer logs it in `memory/train_cuda_peak_mb`) beside
+the peak RSS, and the model TFLOP/s of the second step (`perf/train_model_tflops`); the reference
+then lives in pinned host memory and comes to the device layer by layer for its forward only.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # large block to the system when it is freed, so the peak RSS is that of live memory
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
+# "all on" without the KL loss, hence without a reference model: what the reference adds is the
+# difference between the two rows (printed below the table)
+NO_REFERENCE = "all on, KL loss off (no reference model)"
 CONFIGS = {
     "base (fp32, full logits)": ["--log-probs-chunk-size", "0"],
     "--bf16": ["--log-probs-chunk-size", "0", "--bf16"],
@@ -60,6 +69,7 @@ CONFIGS = {
                                                   "--lora-rank", "16"],
     "--lora-rank 16 + all on": ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--lora-rank",
                                "16"],
+    NO_REFERENCE: ["--log-probs-chunk-size", "1024", "--bf16", "--gradient-checkpointing", "--optimizer-cpu-offload"],
 }
 
 
@@ -79,7 +89,7 @@ def _batch(n: int, tokens: int, vocab: int):
                         group_indices=[i // 8 for i in range(n)])
 
 
-def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str]) -> dict:
+def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str], kl: bool = True) -> dict:
     from transformers import AutoConfig
 
     from slime.arguments import parse_args
@@ -91,7 +101,7 @@ def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str
     args = parse_args(["--hf-checkpoint", model, "--prompt-data", str(tmp / "prompts.jsonl"), "--num-rollout", "1",
                        "--rollout-batch-size", str(samples // 8), "--n-samples-per-prompt", "8",
                        "--global-batch-size", str(samples), "--micro-batch-size", str(samples),
-                       "--use-kl-loss", "--kl-loss-coef", "0.01", "--rollout-temperature", "1.0",
+                       *(["--use-kl-loss", "--kl-loss-coef", "0.01"] if kl else []), "--rollout-temperature", "1.0",
                        "--output-dir", str(tmp / "out"), *flags])
     actor = TrainActor(args, rank=0, world_size=1, master_port=free_port())
     actor.init()
@@ -101,14 +111,24 @@ def run_one(model: str, samples: int, tokens: int, threads: int, flags: list[str
     actor.train(0, batch)  # the first step also creates the optimizer's state (after its activations are gone)
     first_seconds = time.perf_counter() - t0
     first_peak = _peak_rss_mb()
+    cuda_first_peak = _cuda_peak_mb()
     _reset_peak_rss()  # from here on the peak is the second step's own: the steady state
     t0 = time.perf_counter()
-    metrics = actor.train(1, batch)
+    metrics = actor.train(1, batch)  # on CUDA the trainer's own meter restarts the device's peak count
     seconds = time.perf_counter() - t0
     step_peak = _peak_rss_mb()
     actor.shutdown()
-    return {"peak_rss_mb": max(first_peak, step_peak), "step_peak_rss_mb": step_peak, "seconds": seconds,
-            "first_step_seconds": first_seconds, "loss": metrics["train/loss"]}
+    out = {"peak_rss_mb": max(first_peak, step_peak), "step_peak_rss_mb": step_peak, "seconds": seconds,
+           "first_step_seconds": first_seconds, "loss": metrics["train/loss"],
+           "model_tflops": metrics["perf/train_model_tflops"]}
+    if torch.cuda.is_available():
+        out["cuda_peak_mb"] = max(cuda_first_peak, metrics["memory/train_cuda_peak_mb"])
+        out["step_cuda_peak_mb"] = metrics["memory/train_cuda_peak_mb"]
+    return out
+
+
+def _cuda_peak_mb() -> float:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
 
 
 def _peak_rss_mb() -> float:
@@ -132,16 +152,23 @@ def main() -> None:
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.only is not None:
-        print(json.dumps(run_one(a.model, a.samples, a.tokens, a.threads, CONFIGS[a.only])))
+        print(json.dumps(run_one(a.model, a.samples, a.tokens, a.threads, CONFIGS[a.only], kl=a.only != NO_REFERENCE)))
         return
     if a.model is None:
         from slime.utils.pretrained import smollm2_135m_instruct
 
         a.model = str(smollm2_135m_instruct())
+    cuda = torch.cuda.is_available()
+    where = torch.cuda.get_device_name() if cuda else f"{a.threads} threads"
     print(f"one GRPO step, {a.samples} samples x ~{a.tokens} tokens, KL loss on, {Path(a.model).name}, one rank, "
-          f"{a.threads} threads")
-    print("| configuration | peak RSS | peak RSS of the 2nd step | 2nd step time |")
-    print("|---|---|---|---|")
+          f"{where}")
+    if cuda:
+        print("| configuration | CUDA peak | CUDA peak of the 2nd step | peak RSS | 2nd step time | model TFLOP/s |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print("| configuration | peak RSS | peak RSS of the 2nd step | 2nd step time |")
+        print("|---|---|---|---|")
+    results = {}
     for name in (a.configs.split(";") if a.configs else CONFIGS):
         out = subprocess.run([sys.executable, __file__, f"--only={name}", "--model", a.model, "--samples",
                               str(a.samples), "--tokens", str(a.tokens), "--threads", str(a.threads)],
@@ -151,13 +178,22 @@ def main() -> None:
                    f"failed (exit {out.returncode}): {(out.stderr.strip().splitlines() or [''])[-1][:100]}")
             print(f"| {name} | {why} | | |", flush=True)
             continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['step_peak_rss_mb'] / 1024:.2f} GiB | "
-              f"{r['seconds']:.1f} s |", flush=True)
+        r = results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        if cuda:
+            print(f"| {name} | {r['cuda_peak_mb'] / 1024:.2f} GiB | {r['step_cuda_peak_mb'] / 1024:.2f} GiB | "
+                  f"{r['peak_rss_mb'] / 1024:.2f} GiB | {r['seconds']:.2f} s | {r['model_tflops']:.1f} |", flush=True)
+        else:
+            print(f"| {name} | {r['peak_rss_mb'] / 1024:.2f} GiB | {r['step_peak_rss_mb'] / 1024:.2f} GiB | "
+                  f"{r['seconds']:.1f} s |", flush=True)
         if a.json:
             with open(a.json, "a") as f:
-                f.write(json.dumps({"config": name, **r}) + "\n")
-
+                f.write(json.dumps({"config": name, "device": where, **r}) + "\n")
+    if "all on" in results and NO_REFERENCE in results:
+        key = "cuda_peak_mb" if cuda else "peak_rss_mb"
+        with_ref, without = results["all on"][key], results[NO_REFERENCE][key]
+        print(f"\nthe KL reference model adds {(with_ref - without) / 1024:.2f} GiB "
+              f"({100 * (with_ref - without) / without:.1f}%) to the {'CUDA peak' if cuda else 'peak RSS'} "
+              f"of 'all on'")
 
 if __name__ == "__main__":
     main()

@@ -11,9 +11,12 @@ after `--` go to the trainer (for example `-- --bf16`).
 
 - model FLOPs of a step: 6 x parameters x tokens (forward + backward) plus 2 x parameters x
   tokens for the reference forward (every token of the batch, prompt and response);
-- machine rate: the best of several 2048 x 2048 x 2048 matmuls in the training dtype (fp32,
+- machine rate: the best of several 2048 x 2048 x 2048 matmuls (8192 on a GPU) in the training dtype (fp32,
   or bf16 with `--bf16`), measured before and after the steps with the same threads;
 - ratio = (model FLOPs / median step time) / machine rate.
+
+On a GPU the same command measures the CUDA device (the matmul is 8192^3 there, in the training
+dtype; every timer synchronizes the device) and also prints the step's CUDA peak memory.
 
 A breakdown of the median step is printed beside it (reference forward, training forward +
 backward, optimizer, the rest), and the rate the model's own GEMMs reach at the step's shapes
@@ -70,21 +73,32 @@ def quickstart_batch(model: str, seed: int = 0):
                         group_indices=[i // PER_PROMPT for i in range(SAMPLES)])
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matmul in `dtype`."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_rate(dtype: torch.dtype, n: int | None = None, reps: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul in `dtype` on the training device (n: 2048 on a CPU,
+    8192 on a GPU, where smaller products do not fill the device)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = n or (8192 if device == "cuda" else 2048)
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)
+    _sync()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         torch.mm(a, b)
+        _sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
 
 def model_gemm_rate(model: torch.nn.Module, tokens: int, dtype: torch.dtype, reps: int = 3) -> float:
     """FLOP/s of the model's linear layers (each weight once, the output layer included) on a
-    [tokens, in] input: forward only, best of `reps` passes, in `dtype`."""
+    [tokens, in] input: forward only, best of `reps` passes, in `dtype`, on the training device."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = {}
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
@@ -93,14 +107,17 @@ def model_gemm_rate(model: torch.nn.Module, tokens: int, dtype: torch.dtype, rep
             shapes.setdefault(tuple(w.shape), 0)
             shapes[tuple(w.shape)] += 1
     flops, best = 0, float("inf")
-    xs = {s: (torch.randn(tokens, s[1]).to(dtype), torch.randn(s).to(dtype)) for s in shapes}
+    xs = {s: (torch.randn(tokens, s[1], device=device).to(dtype), torch.randn(s, device=device).to(dtype))
+          for s in shapes}
     for s, (x, w) in xs.items():
         flops += 2 * tokens * s[0] * s[1] * shapes[s]
-    for _ in range(reps):
+    for _ in range(reps + 1):  # the first pass warms up (kernel selection on a GPU)
+        _sync()
         t0 = time.perf_counter()
         for s, (x, w) in xs.items():
             for _ in range(shapes[s]):
                 torch.nn.functional.linear(x, w)
+        _sync()
         best = min(best, time.perf_counter() - t0)
     return flops / best
 
@@ -118,13 +135,16 @@ class Timers:
                 return forward(*a, **k)
             finally:
                 if k.get("ref"):
+                    _sync()
                     self.ref += time.perf_counter() - t0
 
         def timed_step(*a, **k):
+            _sync()
             t0 = time.perf_counter()
             try:
                 return step(*a, **k)
             finally:
+                _sync()
                 self.opt += time.perf_counter() - t0
 
         backend.forward_logprobs = timed_forward
@@ -177,12 +197,17 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(a.steps):
         timers.reset()
         t0 = time.perf_counter()
-        actor.train(i + 1, batch)
+        m = actor.train(i + 1, batch)
         total = time.perf_counter() - t0
-        steps.append({"total": total, "ref": timers.ref, "optimizer": timers.opt})
+        steps.append({"total": total, "ref": timers.ref, "optimizer": timers.opt,
+                      "logged_tflops": m["perf/train_model_tflops"],
+                      "cuda_peak_mb": m.get("memory/train_cuda_peak_mb")})
     prof = None
     if a.profile:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
     with prof if prof is not None else contextlib.nullcontext():
         if prof is not None:
             actor.train(a.steps + 1, batch)
@@ -201,9 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
            "achieved_gflops": achieved / 1e9, "matmul_gflops": machine / 1e9,
            "matmul_gflops_before_after": [rate_before / 1e9, rate_after / 1e9],
            "model_gemm_gflops": gemm / 1e9, "ratio": achieved / machine,
-           "median_of": len(steps), "spread_s": statistics.pstdev(s["total"] for s in steps)}
+           "median_of": len(steps), "spread_s": statistics.pstdev(s["total"] for s in steps),
+           "logged_train_model_tflops": med["logged_tflops"], "cuda_peak_mb": med["cuda_peak_mb"],
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     print(f"quickstart train step: {Path(a.model).name} ({n_params / 1e6:.1f}M params), {SAMPLES} samples, "
-          f"{n_tokens} tokens, micro-batches of {args.micro_batch_size}, {a.threads} threads, "
+          f"{n_tokens} tokens, micro-batches of {args.micro_batch_size}, {rec['device']}, {a.threads} threads, "
           f"{dtype}, flags {' '.join(extra) or '(defaults)'}")
     print("| measure | value |")
     print("|---|---|")
@@ -214,10 +241,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"| training forward + backward and the rest | {rec['train_fwd_bwd_and_rest_s']:.2f} s |")
     print(f"| model FLOPs per step (8 x params x tokens) | {flops / 1e12:.3f} TFLOP |")
     print(f"| achieved | {achieved / 1e9:.1f} GFLOP/s |")
-    print(f"| 2048^3 matmul, best (before / after) | {machine / 1e9:.1f} GFLOP/s "
+    n = 2048 if rec["device"] == "cpu" else 8192
+    print(f"| dense matmul ({n}^3), best (before / after) | {machine / 1e9:.1f} GFLOP/s "
           f"({rate_before / 1e9:.1f} / {rate_after / 1e9:.1f}) |")
     print(f"| the model's GEMMs at one micro-batch ({mb_tokens} tokens) | {gemm / 1e9:.1f} GFLOP/s |")
     print(f"| **ratio (achieved / matmul)** | **{achieved / machine:.2f}** |")
+    print(f"| perf/train_model_tflops the trainer logged | {med['logged_tflops'] * 1e3:.1f} GFLOP/s |")
+    if med["cuda_peak_mb"] is not None:
+        print(f"| memory/train_cuda_peak_mb | {med['cuda_peak_mb']:.0f} MiB |")
     if prof is not None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     if a.json:

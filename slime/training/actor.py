@@ -49,6 +49,7 @@ from slime.engines.kinds import engine_kind
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
+from slime.training.throughput import StepMeter, parameter_count
 from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.types import RolloutBatch
 from slime.utils.checkpoint_data import load_tensors_file, rng_states, set_rng_states
@@ -297,6 +298,7 @@ class TrainActor:
             return self._train_sft(batch)
         if args.use_critic and values is None:
             raise ValueError(f"--advantage-estimator {args.advantage_estimator} needs critic values")
+        meter = StepMeter(be.device)
         masks = self._masks(batch)
         ro = self._policy_rollout(batch, masks, values)
         steps = self._run_steps(batch, masks, partial(self._policy_token_loss, ro), METRIC_KEYS,
@@ -309,6 +311,8 @@ class TrainActor:
             metrics["train/train_rollout_logprob_abs_diff"] = float(diff[0] / diff[1])
         adv_stats = be.all_reduce_sum(whiten_stats(ro.advantages, masks))
         metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
+        extra_forwards = int(ro.ref_lps is not None) + int(ro.source == "pass")
+        metrics.update(meter.metrics(parameter_count(be.model), sum(map(len, batch.tokens)), extra_forwards))
         return metrics
 
     def _policy_rollout(self, batch: RolloutBatch, masks: list[Tensor], values) -> _PolicyRollout:
@@ -522,7 +526,7 @@ class TrainActor:
         engines generate (slime/training/offload.py). Returns {"bytes", "seconds", "rss"}."""
         if self._offloader is None:
             self._offloader = Offloader(self.args.offload_dir)
-        stats = self._offloader.offload(backend_tensors(self.backend))
+        stats = self._offloader.offload(backend_tensors(self.backend), self.backend.device)
         return dict(stats, rss=rss_bytes())
 
     def onload(self) -> dict:

@@ -82,14 +82,17 @@ class Offloader:
         return self._stash is not None
 
     @staticmethod
-    def _storages(tensors: Iterable[Tensor], kept: list[int]) -> list[torch.UntypedStorage]:
-        """The distinct storages to free; sizes of those that cannot be freed go to `kept` (a
-        shard whose storage was pinned, e.g. by `.numpy()`)."""
+    def _storages(tensors: Iterable[Tensor], kept: list[int],
+                  device: torch.device | None = None) -> list[torch.UntypedStorage]:
+        """The distinct storages to free (those on `device` only, when given); sizes of those that
+        cannot be freed go to `kept` (a shard whose storage was pinned, e.g. by `.numpy()`)."""
         seen: dict[tuple[str, int], torch.UntypedStorage] = {}
         for t in tensors:
             if t is None:
                 continue
             local = _local(t)
+            if device is not None and local.device.type != device.type:
+                continue  # already off the device (a GPU run's host-resident reference model or offloaded optimizer)
             if not local.untyped_storage().resizable():
                 # e.g. a frozen reference model memory-mapped from its safetensors file: give it
                 # its own (resizable) memory once, then it offloads like everything else
@@ -104,14 +107,16 @@ class Offloader:
             seen.setdefault((str(st.device), st.data_ptr()), st)
         return list(seen.values())
 
-    def offload(self, tensors: Iterable[Tensor]) -> dict[str, float]:
+    def offload(self, tensors: Iterable[Tensor], device: torch.device | None = None) -> dict[str, float]:
         """Move the bytes of every distinct storage behind `tensors` off the device and free it.
+        `device`: the training device; storages elsewhere are already off it and stay (on a GPU,
+        the reference model and `--optimizer-cpu-offload`'s state live in pinned host memory).
         Returns {"bytes", "seconds"}; a second call while offloaded does nothing."""
         start = time.perf_counter()
         if self._stash is not None:
             return {"bytes": 0, "seconds": 0.0}
         kept: list[int] = []
-        storages = self._storages(tensors, kept)
+        storages = self._storages(tensors, kept, device)
         if kept:
             logger.warning("offload: %d storages (%d bytes) cannot be resized and stay resident", len(kept), sum(kept))
         stash = []

@@ -68,7 +68,8 @@ def local_actor(args, role: str = "actor"):
 
 def grads_after_train(args, batch):
     """(gradients at the optimizer step, metrics) of one `train` of a fresh local rank on `batch`
-    (the last step's gradients when there are several)."""
+    (the last step's gradients when there are several; the metrics without timings and memory,
+    `deterministic`)."""
     actor = local_actor(args)
     captured = {}
     opt = actor.backend.optimizer
@@ -85,7 +86,13 @@ def grads_after_train(args, batch):
         metrics = actor.train(0, batch)
     finally:
         actor.shutdown()
-    return captured, metrics
+    return captured, deterministic(metrics)
+
+
+def deterministic(metrics: dict) -> dict:
+    """The metrics a fixed-seed step must reproduce exactly: all but timings and memory (`perf/*`,
+    `memory/*`)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("perf/", "memory/"))}
 
 
 def initial_state(model_dir):

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
 
@@ -71,4 +73,7 @@ def test_train_mfu_record(tiny_model_dir, tmp_path):
     assert abs(rec["train_fwd_bwd_and_rest_s"] - (rec["step_s"] - rec["ref_forward_s"] - rec["optimizer_s"])) < 1e-9
     assert abs(rec["achieved_gflops"] - rec["model_tflop"] * 1e3 / rec["step_s"]) < 1e-6
     assert abs(rec["ratio"] - rec["achieved_gflops"] / rec["matmul_gflops"]) < 1e-9
+    # the trainer's own perf/train_model_tflops measures the same step from inside the train call
+    assert rec["logged_train_model_tflops"] * 1e3 == pytest.approx(rec["achieved_gflops"], rel=0.05)
+    assert rec["device"] == "cpu" and rec["cuda_peak_mb"] is None
     assert rec["matmul_gflops"] == max(rec["matmul_gflops_before_after"]) > 0

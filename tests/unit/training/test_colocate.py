@@ -71,6 +71,21 @@ def test_offloader_frees_rss_and_restores_bits(tmp_path):
     assert all(torch.isfinite(p).all() for p in params)
 
 
+def test_offload_frees_only_the_training_devices_storages(tmp_path, caplog):
+    """On a GPU the reference model and --optimizer-cpu-offload's state live in pinned host memory
+    (not resizable): they are already off the device, so offloading for the engines leaves them
+    where they are instead of warning that they "stay resident" (seen on an H100)."""
+    host = [torch.randn(1024), torch.randn(2048)]
+    off = Offloader(str(tmp_path))
+    with caplog.at_level("WARNING"):
+        stats = off.offload(host, torch.device("cuda"))  # a GPU run: these host tensors are not on its device
+    assert stats["bytes"] == 0 and stats["kept_bytes"] == 0 and "stay resident" not in caplog.text
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in host)
+    off.onload()
+    stats = Offloader(str(tmp_path)).offload(host, torch.device("cpu"))  # a CPU run: the host is the device
+    assert stats["bytes"] == (1024 + 2048) * 4 and all(t.untyped_storage().nbytes() == 0 for t in host)
+
+
 def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, tmp_path):
     """A real fsdp-backend rank (world size 1: the plain module; two sharded ranks are in
     test_fsdp_trainer.py): offload frees params + optimizer + the mmap'd reference

@@ -3,7 +3,9 @@ checkpoints resume across one and two ranks, sharded ranks offload and onload bi
 
 import torch
 
-from tests.helpers.training import COMMON, assert_states_close, flatten_optim, local_actor, make_args, synthetic_batch
+from tests.helpers.training import (
+    COMMON, assert_states_close, deterministic, flatten_optim, local_actor, make_args, synthetic_batch,
+)
 
 
 def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path, ray_session):
@@ -42,7 +44,7 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path, r
 
         # training resumes exactly
         ma, mb = a.train(1, refs), b.train(1, refs)
-        assert ma == mb
+        assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
         assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
     finally:
         a.shutdown()

@@ -10,6 +10,7 @@ from tests.helpers.training import (
     TEMPERATURE,
     StubEngine,
     assert_states_close,
+    deterministic,
     grads_after_train,
     initial_state,
     local_actor,
@@ -57,7 +58,7 @@ def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path, ray_session, stub_en
 
     (m2, sd2), (m1, sd1) = results[2], results[1]
     assert set(m2) == set(m1)
-    for k in m1:
+    for k in deterministic(m1):  # timings and memory differ between layouts
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     assert m1["train/ppo_kl"] != 0  # step 2 ran on updated weights
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-3
@@ -261,7 +262,7 @@ def test_new_estimators_two_ranks_match_one_rank(tiny_model_dir, tmp_path, ray_s
             group.shutdown()
     (m2, sd2), (m1, sd1) = results[2], results[1]
     assert set(m2) == set(m1)
-    for k in m1:
+    for k in deterministic(m1):  # timings and memory differ between layouts
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
     assert m1["train/ppo_kl"] != 0
     assert_states_close(sd2, sd1, atol=1e-5)

@@ -14,6 +14,7 @@ from slime.utils.errors import SlimeConfigError  # noqa: E402
 from tests.helpers.training import (  # noqa: E402
     COMMON,
     assert_states_close,
+    deterministic,
     local_actor,
     make_args,
     synthetic_batch,
@@ -124,7 +125,7 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
 
         # training resumes exactly
         ma, mb = a.train(1, batch), b.train(1, batch)
-        assert ma == mb
+        assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
         assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
 
         # a different TP size cannot resume from this state
@@ -175,7 +176,7 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
     for name in set(layouts) - {"one"}:
         m, s = results[name]
         assert set(m) == set(m1)
-        for k in m1:
+        for k in deterministic(m1):  # timings and memory differ between layouts
             assert m[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), (name, k)
         assert set(s) == set(s1)
         assert_states_close(s, s1, atol=1e-5)
