@@ -9,6 +9,7 @@ run in live in `slime.arguments`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from slime.engines.kinds import engine_kind
 from slime.utils import checkpoint_files
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
+from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, is_builtin, reward_name
 
 if TYPE_CHECKING:
     from slime.arguments import Args
@@ -57,10 +59,11 @@ def validate_engines(args: Args) -> None:
 def validate_custom_rollout(args: Args) -> None:
     """Reward choice, extension paths (imported now, so a typo fails at start-up naming the flag) and
     --custom-config-path (its keys become attributes of args)."""
-    if args.rm_type is None:
+    validate_reward_functions(args)
+    if args.rm_type is None and not args.reward_functions:
         args.rm_type = "remote_rm" if args.rm_url else "math"
     require(args.rm_type != "remote_rm" or args.rm_url, "--rm-type remote_rm needs --rm-url URL")
-    require(args.rm_url is None or args.rm_type == "remote_rm",
+    require(args.rm_url is None or args.rm_type == "remote_rm" or args.reward_functions,
             f"--rm-url is only used with --rm-type remote_rm, not {args.rm_type}")
     require(args.rm_url is None or args.rm_url.startswith(("http://", "https://")),
             f"--rm-url must be an http(s) URL, got {args.rm_url!r}")
@@ -78,6 +81,56 @@ def validate_custom_rollout(args: Args) -> None:
         args.custom_config = _load_custom_config(args, args.custom_config_path)
         for key, value in args.custom_config.items():
             setattr(args, key, value)
+
+
+GDPO_ESTIMATORS = ("grpo", "gspo", "cispo")  # the estimators whose group normalization gdpo replaces
+
+
+def validate_reward_functions(args: Args) -> None:
+    """--reward-functions, --reward-weights (default: 1 each) and --reward-aggregation
+    (slime.rollout.rewards.mix): a function path is imported now; every refused combination is one line."""
+    fns = args.reward_functions
+    if not fns:
+        require(args.reward_weights is None, "--reward-weights needs --reward-functions (one weight per reward)")
+        require(args.reward_aggregation == "sum",
+                f"--reward-aggregation {args.reward_aggregation} needs --reward-functions (several rewards)")
+        return
+    require(args.rm_type is None, f"--reward-functions replaces --rm-type: list {args.rm_type} in --reward-functions")
+    require(not args.custom_rm_path, f"--reward-functions replaces --custom-rm-path: list {args.custom_rm_path} "
+                                     "in --reward-functions")
+    require(not args.group_rm, "--group-rm does not work with --reward-functions (each listed reward scores one "
+                               "sample); score the group in a --custom-rm-path --group-rm function instead")
+    for entry in fns:
+        require(entry not in UNAVAILABLE_RM_TYPES, f"--reward-functions {entry}: {UNAVAILABLE_RM_TYPES.get(entry)}")
+        if not is_builtin(entry):
+            load_function(entry, "--reward-functions")
+    names = [reward_name(e) for e in fns]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    require(dup is None, f"--reward-functions: two entries are named {dup!r}; each reward is kept and logged "
+                         "by its name, so give each function its own name")
+    require("remote_rm" not in fns or args.rm_url, "--reward-functions remote_rm needs --rm-url URL")
+    require(args.rm_url is None or "remote_rm" in fns, "--rm-url is only used by remote_rm, which "
+                                                        "--reward-functions does not list")
+    if args.reward_weights is None:
+        args.reward_weights = [1.0] * len(fns)
+    require(len(args.reward_weights) == len(fns), f"--reward-weights has {len(args.reward_weights)} weights for "
+                                                  f"{len(fns)} --reward-functions; give one weight per reward")
+    require(all(math.isfinite(w) for w in args.reward_weights),
+            f"--reward-weights must be finite numbers, got {args.reward_weights}")
+    if args.reward_aggregation != "gdpo":
+        return
+    require(args.advantage_estimator in GDPO_ESTIMATORS, "--reward-aggregation gdpo replaces the group "
+            f"normalization of {', '.join(GDPO_ESTIMATORS)}; not --advantage-estimator {args.advantage_estimator}")
+    require(args.n_samples_per_prompt > 1, "--reward-aggregation gdpo normalizes each reward within a prompt's "
+                                           "samples; it needs --n-samples-per-prompt > 1")
+    require(args.rewards_normalization, "--reward-aggregation gdpo normalizes the rewards; drop "
+                                        "--disable-rewards-normalization (or use --reward-aggregation sum)")
+    require(args.grpo_std_normalization, "--reward-aggregation gdpo divides each reward by its group std; drop "
+                                         "--disable-grpo-std-normalization (or use --reward-aggregation sum)")
+    require(not args.custom_reward_post_process_path, "--reward-aggregation gdpo and "
+            "--custom-reward-post-process-path both make the training rewards; pass one of them")
+    require(args.overlong_buffer_len == 0, "--reward-aggregation gdpo does not add the --overlong-buffer-len "
+            "penalty; list a length reward in --reward-functions instead")
 
 
 def _load_custom_config(args: Args, path: str) -> dict:
@@ -298,15 +351,24 @@ def check_checkpoint_dirs(args: Args) -> None:
             "or pass --overwrite-checkpoints")
 
 
-def check_ref_load(args: Args) -> None:
-    """--ref-load: a Hugging Face model directory whose vocabulary is the policy's."""
-    ref = Path(args.ref_load)
-    require(ref.is_dir(), f"--ref-load: directory {args.ref_load} does not exist")
-    require((ref / "config.json").is_file(), f"--ref-load: {args.ref_load} has no config.json (a Hugging Face "
-                                             "model directory is expected)")
-    vocab = [_vocab_size(d / "config.json") for d in (Path(args.hf_checkpoint), ref)]
-    require(vocab[0] == vocab[1], f"--ref-load {args.ref_load}: vocabulary of {vocab[1]} tokens, but --hf-checkpoint "
-                                  f"{args.hf_checkpoint} has {vocab[0]}; the reference must score the same tokens")
+def check_frozen_model(args: Args, flag: str, path: str, role: str) -> None:
+    """A frozen model's Hugging Face directory (--ref-load, --opd-teacher-load) that scores the
+    policy's tokens: it exists, has a config.json, the policy's vocabulary size and, where both
+    directories have a tokenizer.json, the same token ids."""
+    d = Path(path)
+    require(d.is_dir(), f"{flag}: directory {path} does not exist")
+    require((d / "config.json").is_file(), f"{flag}: {path} has no config.json (a Hugging Face model directory is "
+                                           "expected)")
+    vocab = [_vocab_size(x / "config.json") for x in (Path(args.hf_checkpoint), d)]
+    require(vocab[0] == vocab[1], f"{flag} {path}: vocabulary of {vocab[1]} tokens, but --hf-checkpoint "
+                                  f"{args.hf_checkpoint} has {vocab[0]}; {role} must score the same tokens")
+    files = [x / "tokenizer.json" for x in (Path(args.hf_checkpoint), d)]
+    if all(f.is_file() for f in files):
+        ids = [json.loads(f.read_text()).get("model", {}).get("vocab") or {} for f in files]
+        if ids[0] != ids[1]:
+            diff = sorted(set(ids[0].items()) ^ set(ids[1].items()), key=str)[:1]
+            require(False, f"{flag} {path}: its tokenizer differs from --hf-checkpoint's (first difference: "
+                           f"token {diff[0][0]!r}); {role} must use the policy's tokenizer")
 
 
 def _vocab_size(config: Path) -> int | None:

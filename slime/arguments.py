@@ -24,7 +24,7 @@ from slime import config_file
 from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-exported)
     POLICY_LOSS_OF_ESTIMATOR,
     check_checkpoint_dirs,
-    check_ref_load,
+    check_frozen_model,
     require,
     validate_algorithm,
     validate_async,
@@ -41,6 +41,7 @@ from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES, engine_kind
 from slime.lora_flags import add_lora_flags, validate_lora
+from slime.opd_flags import add_opd_flags, validate_opd
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
@@ -174,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-key", default=None,
                    help="the entry of a dict reward that is the scalar reward (each entry is logged as "
                         "rollout/reward/<key>)")
+    g.add_argument("--reward-functions", nargs="+", default=None, metavar="REWARD",
+                   help="several rewards, each an --rm-type name or a function path (as --custom-rm-path); each "
+                        "is logged as rollout/reward/<name>, the reward is their --reward-weights sum "
+                        "(docs/custom_rollout.md)")
+    g.add_argument("--reward-weights", nargs="+", type=float, default=None, metavar="W",
+                   help="one weight per --reward-functions entry (default: 1 each)")
+    g.add_argument("--reward-aggregation", choices=("sum", "gdpo"), default="sum",
+                   help="with --reward-functions: sum: train on the weighted sum (normalized per the estimator); "
+                        "gdpo: normalize each reward within its group, then the weighted sum over the batch (GDPO)")
     g.add_argument("--rollout-request-timeout", type=float, default=600.0,
                    help="seconds one /generate call may take before it is an error")
     g.add_argument("--engine-startup-timeout", type=float, default=300.0)
@@ -410,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-team", default=None, help="W&B entity (team or user) the run is logged under")
     g.add_argument("--wandb-host", default=None, help="W&B server URL (default: https://api.wandb.ai)")
     add_lora_flags(p)
+    add_opd_flags(p)
     add_model_flags(p)
     add_script_flags(p)
     return p
@@ -457,7 +468,10 @@ def validate(args: Args) -> Args:
     require(hf.is_dir(), f"--hf-checkpoint: directory {args.hf_checkpoint} does not exist")
     require((hf / "config.json").is_file(), f"--hf-checkpoint: {args.hf_checkpoint} has no config.json")
     if args.ref_load is not None:
-        check_ref_load(args)
+        check_frozen_model(args, "--ref-load", args.ref_load, "the reference")
+    validate_opd(args)
+    if args.opd_in_trainer:
+        check_frozen_model(args, "--opd-teacher-load", args.opd_teacher_load, "the teacher")
     validate_script_flags(args)  # architecture flags against config.json; Megatron/slime script flags
     if args.rm_type in UNAVAILABLE_RM_TYPES:
         raise SlimeConfigError(unavailable_message(args.rm_type))

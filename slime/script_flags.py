@@ -186,11 +186,6 @@ FLAGS: tuple[ScriptFlag, ...] = (
     ScriptFlag("--enable-experimental", _switch(),
                _refuse("megatron's experimental features are not part of slime's trainers")),
     # slime features built elsewhere in this project's plan, or not at all
-    ScriptFlag("--use-opd", _switch(), _refuse("on-policy distillation is not built yet")),
-    ScriptFlag("--opd-type", dict(choices=("sglang", "megatron"), default=None),
-               _refuse("on-policy distillation is not built yet")),
-    ScriptFlag("--opd-kl-coef", dict(type=float, default=None), _refuse("on-policy distillation is not built yet")),
-    ScriptFlag("--opd-teacher-load", dict(default=None), _refuse("on-policy distillation is not built yet")),
     ScriptFlag("--deterministic-mode", _switch(),
                _megatron_only_refused("deterministic trainer reductions are built for --train-backend fsdp only"),
                stated="batch-invariant engine numerics and deterministic trainer algorithms: the same --seed gives "

@@ -12,7 +12,7 @@ import logging
 import math
 
 from slime.rollout.api import continue_sample
-from slime.rollout.rewards import RewardFunction
+from slime.rollout.rewards import RewardFunction, RewardMix
 from slime.types import Sample, SampleStatus
 from slime.utils.errors import SlimeConfigError
 
@@ -66,15 +66,17 @@ def scalar_reward(reward, reward_key: str | None):
     return reward[reward_key], reward
 
 
-async def score(reward: RewardFunction, args, sample: Sample) -> Sample:
+async def score(reward: RewardFunction | RewardMix, args, sample: Sample) -> Sample:
     """Reward one sample; a reward function that raises, times out (`--rm-timeout`) or returns a
-    value that is not finite (NaN, inf, -inf) marks it FAILED. A dict reward is kept in `sample.reward_dict` and its `--reward-key` entry
-    becomes `sample.reward`."""
+    value that is not finite (NaN, inf, -inf) marks it FAILED. A dict reward is kept in
+    `sample.reward_dict` and its `--reward-key` entry becomes `sample.reward`. Several rewards
+    (`RewardMix`, `--reward-functions`): each one's value is in `sample.reward_dict` under its
+    name, their weighted sum is `sample.reward`, and any one failing fails the sample."""
     try:
         value = await asyncio.wait_for(reward(args, sample), timeout=reward.time_limit(args.rm_timeout))
     except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
         return _failed(sample, e)
-    return _set_reward(sample, value, args.reward_key)
+    return _set_reward(sample, value, args.reward_key, reward)
 
 
 async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> list[Sample]:
@@ -93,8 +95,11 @@ async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> li
     return [_set_reward(s, v, args.reward_key) for s, v in zip(samples, values)]
 
 
-def _set_reward(sample: Sample, value, reward_key: str | None) -> Sample:
-    value, sample.reward_dict = scalar_reward(value, reward_key)
+def _set_reward(sample: Sample, value, reward_key: str | None, reward=None) -> Sample:
+    if isinstance(reward, RewardMix):
+        value, sample.reward_dict = reward.resolve(value, reward_key)
+    else:
+        value, sample.reward_dict = scalar_reward(value, reward_key)
     try:
         value = float(value)
         if not math.isfinite(value):  # NaN, or +-inf: one would turn its group's advantages into NaN

@@ -2,7 +2,8 @@
 
 Training rewards: the user's `--custom-reward-post-process-path`, or (reward + DAPO overlong
 penalty) normalized per the estimator over the samples whose reward did not fail (failed ones get
-0). Loss masks: a sample whose reward failed trains on nothing; nor does one a
+0); with `--reward-aggregation gdpo`, GDPO's per-reward group normalization instead
+(`slime.rollout.rewards.mix`). Loss masks: a sample whose reward failed trains on nothing; nor does one a
 `--rollout-sample-filter-path` function removed, nor, with `--mask-truncated-samples`, one cut off
 at the length limit. SFT batches carry the conversations' masks and no rewards.
 """
@@ -14,7 +15,9 @@ from typing import Callable
 import torch
 
 from slime.algorithms.advantages import overlong_penalty, post_process_rewards
+from slime.rollout.rewards.mix import gdpo_rewards
 from slime.types import RolloutBatch, Sample, SampleStatus
+from slime.utils.reward_names import reward_name
 
 
 def fit_batch(args, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
@@ -43,6 +46,8 @@ def train_rewards(args, samples: list[Sample], post_process: Callable | None) ->
             raise ValueError(f"--custom-reward-post-process-path returned {len(rewards)} rewards "
                              f"for {len(samples)} samples")
         return rewards
+    if getattr(args, "reward_aggregation", "sum") == "gdpo":  # several rewards, each normalized in its group
+        return gdpo_rewards(samples, [reward_name(e) for e in args.reward_functions], args.reward_weights)
     valid = [i for i, s in enumerate(samples) if s.status != SampleStatus.FAILED]
     rewards = [0.0] * len(samples)
     if valid:

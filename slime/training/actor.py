@@ -45,6 +45,7 @@ from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_sta
 from slime.algorithms.losses import (
     POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
 )
+from slime.algorithms.opd import distill_advantages, reverse_kl
 from slime.engines.kinds import engine_kind
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.fsdp.backend import FSDPBackend
@@ -123,6 +124,7 @@ class TrainActor:
         self._transport = None  # weight_sync.WeightTransport, made by init()
         self._offloader: Offloader | None = None  # made by the first offload()
         self._returns: list[Tensor] | None = None
+        self._opd_kl: list[Tensor] | None = None  # --use-opd: this rollout's per-token reverse KL to the teacher
         self._old_values: tuple[int, list[Tensor]] | None = None
         threads = cpu_threads(args, "train", self.world_size)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -149,6 +151,7 @@ class TrainActor:
         critic = self.role == "critic"
         self.use_kl_loss = bool(args.use_kl_loss and args.kl_loss_coef > 0) and not critic
         self.use_ref = (self.use_kl_loss or args.kl_coef > 0) and not critic
+        self.use_opd = bool(getattr(args, "opd_in_trainer", False)) and not critic  # the teacher is in the trainer
         # every policy loss is called as loss(inputs: LossInputs); a user's takes args first
         self.policy_loss = partial(load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
                                    args) if args.custom_loss_function_path else POLICY_LOSSES[args.policy_loss_type]
@@ -160,7 +163,8 @@ class TrainActor:
         self.tis_fn = tis_fn if args.use_tis else None
         self._returns = None
         self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
-                                                    self.master_port, with_ref=self.use_ref, value_head=critic)
+                                                    self.master_port, with_ref=self.use_ref, value_head=critic,
+                                                    with_teacher=self.use_opd)
         # --lora-sync adapter: the engines get only the LoRA adapter (the reference model is the base)
         self.push_adapter = args.lora_sync == "adapter" and not critic
         self._transport = make_transport(args, self.rank,
@@ -206,10 +210,10 @@ class TrainActor:
     def _masks(batch: RolloutBatch) -> list[Tensor]:
         return [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
 
-    def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool) -> list[Tensor]:
+    def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool, teacher: bool = False) -> list[Tensor]:
         out: list[Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for idx in self._micro_batches(batch, list(range(len(batch)))):
-            lp, _ = self.backend.forward_logprobs(self._mb(batch, idx), grad=False, ref=ref)
+            lp, _ = self.backend.forward_logprobs(self._mb(batch, idx), grad=False, ref=ref, teacher=teacher)
             for i, part in zip(idx, lp.detach().cpu().split([batch.response_lengths[i] for i in idx])):
                 out[i] = part
         return out
@@ -311,6 +315,9 @@ class TrainActor:
             metrics["train/train_rollout_logprob_abs_diff"] = float(diff[0] / diff[1])
         adv_stats = be.all_reduce_sum(whiten_stats(ro.advantages, masks))
         metrics["train/advantage_mean"] = float(adv_stats[0] / max(float(adv_stats[2]), 1.0))
+        if self._opd_kl is not None:  # the per-token reverse KL to the teacher, over every rank's loss tokens
+            kl_stats = be.all_reduce_sum(whiten_stats(self._opd_kl, masks))
+            metrics["train/opd_reverse_kl"] = float(kl_stats[0] / max(float(kl_stats[2]), 1.0))
         extra_forwards = int(ro.ref_lps is not None) + int(ro.source == "pass")
         metrics.update(meter.metrics(parameter_count(be.model), sum(map(len, batch.tokens)), extra_forwards))
         return metrics
@@ -330,13 +337,16 @@ class TrainActor:
         # `pre_lps` are the trainer's log-probs before any update (for TIS and the mismatch metric).
         if args.use_rollout_logprobs:
             source = "rollout"
-        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0:
+        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0 and not self.use_opd:
             source = "forward"
         else:
             source = "pass"
         pre_lps: list[Tensor | None] = self._no_grad_log_probs(batch, ref=False) if source == "pass" else [None] * n
         old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
         kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
+        # --use-opd: the teacher's per-token reverse KL (student - teacher) enters the advantages
+        self._opd_kl = reverse_kl(old_lps, self._no_grad_log_probs(batch, ref=False, teacher=True)) \
+            if self.use_opd else None
         advantages, self._returns = self._advantages(batch, masks, kl, values)
         return _PolicyRollout(list(batch.response_lengths), advantages, source, old_lps, ref_lps, rollout_lps, pre_lps)
 
@@ -395,6 +405,8 @@ class TrainActor:
                                 f"({batch.response_lengths[bad[0]]},)" if bad else ""))
         returns = [a + torch.as_tensor(v, dtype=torch.float32) for a, v in zip(advantages, values)] \
             if values is not None else None
+        if self.role == "actor" and self._opd_kl is not None:  # the critic's returns stay the task's
+            advantages = distill_advantages(advantages, self._opd_kl, args.opd_kl_coef)
         if args.normalize_advantages:
             advantages = whiten(advantages, self.backend.all_reduce_sum(whiten_stats(advantages, masks)))
         return advantages, returns

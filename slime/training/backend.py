@@ -52,23 +52,26 @@ class TrainBackend(Protocol):
     position t - 1 (log-probs at the rollout temperature; SFT at T = 1).
 
     Attributes read by the trainer: `device` (where loss tensors go), `lr` (the current learning
-    rate) and, for the colocated offload (slime/training/offload.py), `model`, `optimizer` and
-    `ref_model` (None without a reference model).
+    rate) and, for the colocated offload (slime/training/offload.py), `model`, `optimizer`,
+    `ref_model` and `teacher_model` (None without a reference model / OPD teacher).
     """
 
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     ref_model: torch.nn.Module | None
+    teacher_model: torch.nn.Module | None
 
     @property
     def lr(self) -> float: ...
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
+                         entropy_grad: bool = False, ref: bool = False,
+                         teacher: bool = False) -> tuple[Tensor, Tensor | None]:
         """(log_probs Tensor[N], entropy Tensor[N] or None unless `with_entropy`) of the policy, or of
-        the frozen reference model with `ref` (never with gradient). `grad`: keep the graph;
-        `entropy_grad`: the entropy too. Collective under tensor parallelism."""
+        a frozen model (never with gradient): the KL reference with `ref`, the on-policy distillation
+        teacher with `teacher`. `grad`: keep the graph; `entropy_grad`: the entropy too. Collective
+        under tensor parallelism."""
 
     def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
         """Critic values Tensor[N] (a backend built with value_head=True)."""

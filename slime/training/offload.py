@@ -191,9 +191,10 @@ class Offloader:
 
 def backend_tensors(backend) -> list[Tensor]:
     """Everything a training backend keeps per rank: parameters, gradients, optimizer state, the
-    frozen reference model (`model`, `optimizer`, `ref_model` of a `TrainBackend`)."""
+    frozen reference model and OPD teacher (`model`, `optimizer`, `ref_model`, `teacher_model` of a
+    `TrainBackend`)."""
     out: list[Tensor] = []
-    for module in (backend.model, backend.ref_model):
+    for module in (backend.model, backend.ref_model, getattr(backend, "teacher_model", None)):
         if module is None:
             continue
         for p in module.parameters():

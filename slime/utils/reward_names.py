@@ -15,12 +15,12 @@ saying why and what to use instead.
 from __future__ import annotations
 
 # rule-based rewards fn(response, label[, metadata]) that also take the `boxed_` prefix
-RESPONSE_RM_TYPES = ("math", "exact", "deepscaler", "dapo", "f1", "gpqa", "random")
+RESPONSE_RM_TYPES = ("math", "exact", "deepscaler", "dapo", "f1", "gpqa", "random", "none")
 
 BOXED_PREFIX = "boxed_"
 
 RM_TYPES = (
-    "math", "exact", "reasoning_gym", "remote_rm",
+    "math", "exact", "reasoning_gym", "remote_rm", "none",
     "deepscaler", "dapo", "f1", "gpqa", "random",
     "boxed_math", "boxed_exact", "boxed_dapo", "boxed_f1", "boxed_gpqa", "boxed_random",
 )
@@ -42,3 +42,17 @@ UNAVAILABLE_RM_TYPES = {
 def unavailable_message(rm_type: str) -> str:
     """The one-line refusal of an `UNAVAILABLE_RM_TYPES` name."""
     return f"--rm-type {rm_type}: {UNAVAILABLE_RM_TYPES[rm_type]}"
+
+
+def is_builtin(entry: str) -> bool:
+    """A `--reward-functions` entry is an `--rm-type` name (accepted or refused), or else a function path."""
+    return entry in RM_TYPES or entry in UNAVAILABLE_RM_TYPES
+
+
+def reward_name(entry: str) -> str:
+    """The name a `--reward-functions` entry is kept and logged under (`sample.reward_dict`,
+    `rollout/reward/<name>`): the rm-type name, or the function's own name (`pkg.mod.length_penalty`
+    and `file.py:length_penalty` are both `length_penalty`)."""
+    if is_builtin(entry):
+        return entry
+    return entry.rpartition(":")[2] if ":" in entry else entry.rpartition(".")[2]

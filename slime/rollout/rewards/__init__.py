@@ -1,5 +1,6 @@
 """Reward functions: built-ins selected by `--rm-type`, a remote service (`--rm-url`), or the
-user's `--custom-rm-path` (per sample, or per group with `--group-rm`).
+user's `--custom-rm-path` (per sample, or per group with `--group-rm`); or several of these, weighted,
+with `--reward-functions` (`slime.rollout.rewards.mix`).
 
 Every reward is called the same way, through `RewardFunction`:
 - per sample: `[async] fn(args, sample) -> float | dict`
@@ -24,11 +25,13 @@ from slime.rollout.rewards.deepscaler import deepscaler_reward, last_boxed
 from slime.rollout.rewards.f1 import f1_reward
 from slime.rollout.rewards.gpqa import gpqa_reward
 from slime.rollout.rewards.math import math_reward
+from slime.rollout.rewards.mix import RewardMix
 from slime.rollout.rewards.names import BOXED_PREFIX, UNAVAILABLE_RM_TYPES, unavailable_message
 from slime.rollout.rewards.reasoning_gym import reasoning_gym_reward
 from slime.rollout.rewards.remote import RemoteReward
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
+from slime.utils.reward_names import is_builtin, reward_name
 
 
 def exact_reward(response: str, label) -> float:
@@ -41,6 +44,11 @@ def random_reward(response: str, label) -> float:
     return float(random.randint(0, 1))
 
 
+def no_reward(response: str, label) -> float:
+    """0.0 for every sample (`--rm-type none`: no task reward, e.g. pure on-policy distillation)."""
+    return 0.0
+
+
 # rm-type -> fn(response, label[, metadata]) -> float | dict (dapo: {"score", "acc", "pred"})
 REWARD_FUNCTIONS: dict[str, Callable] = {
     "math": math_reward,
@@ -50,6 +58,7 @@ REWARD_FUNCTIONS: dict[str, Callable] = {
     "f1": f1_reward,
     "gpqa": gpqa_reward,
     "random": random_reward,
+    "none": no_reward,
 }
 
 
@@ -110,12 +119,22 @@ def _on_response(fn: Callable) -> Callable:
     return reward
 
 
-def build_reward(args) -> RewardFunction:
-    """The run's reward: --custom-rm-path, else --rm-type (remote_rm uses --rm-url)."""
+def build_reward(args) -> RewardFunction | RewardMix:
+    """The run's reward: --reward-functions (several, weighted), else --custom-rm-path, else
+    --rm-type (remote_rm uses --rm-url)."""
+    entries = getattr(args, "reward_functions", None)
+    if entries:
+        return RewardMix([(reward_name(e), _builtin_reward(args, e) if is_builtin(e)
+                           else RewardFunction(load_function(e, "--reward-functions"))) for e in entries],
+                         getattr(args, "reward_weights", None))
     if args.custom_rm_path:
         return RewardFunction(load_function(args.custom_rm_path, "--custom-rm-path"), group=args.group_rm)
-    if args.rm_type == "remote_rm":
+    return _builtin_reward(args, args.rm_type)
+
+
+def _builtin_reward(args, rm_type: str) -> RewardFunction:
+    if rm_type == "remote_rm":
         return RewardFunction(RemoteReward(args.rm_url, args.rm_timeout, args.rm_max_retries), name="remote_rm")
-    if args.rm_type == "reasoning_gym":
+    if rm_type == "reasoning_gym":
         return RewardFunction(reasoning_gym_reward)
-    return RewardFunction(_on_response(get_reward_function(args.rm_type)))
+    return RewardFunction(_on_response(get_reward_function(rm_type)))

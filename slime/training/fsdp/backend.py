@@ -57,6 +57,7 @@ from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.utils.checkpoint_data import dcp_load
 from slime.utils.dist import init_process_group
+from slime.utils.errors import SlimeConfigError
 from slime.utils.net import node_address
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class FSDPBackend(StepTail):
     """One data-parallel rank of an FSDP2-sharded Hugging Face causal LM plus its optimizer."""
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
+                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False,
+                 with_teacher: bool = False):
         self.args = args
         self.rank = rank
         self.world_size = world_size
@@ -177,20 +179,21 @@ class FSDPBackend(StepTail):
         )
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
-        self.ref_model = None
-        if with_ref and not self.lora:
-            self.ref_model = self._reference_model(args.ref_load or args.hf_checkpoint)
+        # frozen models: the KL reference (with LoRA: the policy with its adapter off) and the OPD teacher
+        self.ref_model = self._frozen_model(args.ref_load or args.hf_checkpoint) if with_ref and not self.lora else None
+        self.teacher_model = self._frozen_model(args.opd_teacher_load) if with_teacher else None
 
-    def _reference_model(self, path: str) -> torch.nn.Module:
-        """The frozen KL reference. Sharded like the policy (each rank holds 1/N of it; a forward
-        gathers one layer at a time); on a GPU it also stays in host memory and comes to the device
-        layer by layer, only for the reference forward (FSDP2's CPU offload)."""
+    def _frozen_model(self, path: str) -> torch.nn.Module:
+        """A frozen model that scores the policy's tokens (the KL reference, the OPD teacher). Sharded
+        like the policy (each rank holds 1/N of it; a forward gathers one layer at a time); on a GPU it
+        also stays in host memory and comes to the device layer by layer, only for its forward."""
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                    attn_implementation=self.args.attn_implementation)
         ref.eval()
         ref.requires_grad_(False)
-        if self.segmented:  # the same architecture as the policy: its packed rows attend per sample too
-            _set_attention(ref, PACKED_SDPA)
+        if self.segmented and not _set_attention(ref, PACKED_SDPA):  # packed rows attend per sample there too
+            raise SlimeConfigError(f"{path}: {type(ref).__name__} cannot attend one sample at a time in the "
+                                   "policy's packed rows; train with --disable-sequence-packing")
         if not self.sharded and self.device.type != "cuda":
             return ref  # one CPU rank: nothing to shard, and the host is the device
         policy = CPUOffloadPolicy(pin_memory=True) if self.device.type == "cuda" else OffloadPolicy()
@@ -203,7 +206,8 @@ class FSDPBackend(StepTail):
     # ------------------------------------------------------------ forward
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
+                         entropy_grad: bool = False, ref: bool = False,
+                         teacher: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and optionally entropy) of every response token of a micro-batch.
 
         mb: has `tokens: list[list[int]]` (prompt + response) and `response_lengths`.
@@ -214,12 +218,12 @@ class FSDPBackend(StepTail):
         if ref and self.lora:  # the reference is the base: the policy with its adapter switched off
             with torch.no_grad(), lora.adapter_disabled(self.model):
                 return self._forward(self.model, mb, with_entropy=with_entropy, entropy_grad=False)
-        model = self.ref_model if ref else self.model
+        model = self.teacher_model if teacher else self.ref_model if ref else self.model
         if model is None:
-            raise RuntimeError("no reference model was built (use_kl_loss is off)")
-        with torch.set_grad_enabled(grad and not ref):
+            raise RuntimeError(f"no {'teacher' if teacher else 'reference'} model was built")
+        with torch.set_grad_enabled(grad and not (ref or teacher)):
             out = self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
-        if ref and isinstance(model, FSDPModule):
+        if (ref or teacher) and isinstance(model, FSDPModule):
             model.reshard()  # FSDP2 keeps the root's parameters (embeddings, head) gathered after a forward
         return out
 

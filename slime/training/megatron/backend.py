@@ -84,7 +84,8 @@ class MegatronBackend(StepTail):
     """One train rank of a megatron-core GPTModel (TP-sharded) plus its optimizer."""
 
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False):
+                 master_port: int | None = None, with_ref: bool = False, value_head: bool = False,
+                 with_teacher: bool = False):
         if value_head:
             raise SlimeConfigError("--train-backend megatron has no PPO critic (value head) yet; "
                                    "use --train-backend fsdp for --advantage-estimator ppo")
@@ -128,6 +129,11 @@ class MegatronBackend(StepTail):
         if with_ref:  # --ref-load: another checkpoint of the same vocabulary (checked at parse time)
             self.ref_model = self._build(self._hf_state(args.ref_load) if args.ref_load else hf_state, recompute=False)
             self.ref_model.requires_grad_(False)
+        self.teacher_model = None
+        if with_teacher:  # --opd-teacher-load: the student's architecture with the teacher's weights
+            self._check_teacher_shape(args.opd_teacher_load)
+            self.teacher_model = self._build(self._hf_state(args.opd_teacher_load), recompute=False)
+            self.teacher_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
         self.lr_schedule = LRSchedule.from_args(args, args.lr)
@@ -135,6 +141,17 @@ class MegatronBackend(StepTail):
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                            weight_decay=args.weight_decay)
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
+
+    def _check_teacher_shape(self, path: str) -> None:
+        teacher = AutoConfig.from_pretrained(path)
+        keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "tie_word_embeddings")
+        diff = [k for k in keys if getattr(teacher, k, None) != getattr(self.hf_config, k, None)]
+        if diff:
+            raise SlimeConfigError(f"--opd-teacher-load {path}: {diff[0]} is {getattr(teacher, diff[0], None)}, the "
+                                   f"student's {getattr(self.hf_config, diff[0], None)}; the megatron backend loads "
+                                   "the teacher into the student's architecture (use --train-backend fsdp for a "
+                                   "teacher of another shape)")
 
     def _hf_state(self, path: str) -> dict[str, Tensor]:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -204,12 +221,14 @@ class MegatronBackend(StepTail):
         return lps, ents
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
-                         entropy_grad: bool = False, ref: bool = False) -> tuple[Tensor, Tensor | None]:
+                         entropy_grad: bool = False, ref: bool = False,
+                         teacher: bool = False) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropy) of every response token of this rank's micro-batch, Tensor[N]
         in sample order (collective over the TP group)."""
-        model = self.ref_model if ref else self.model
+        model = self.teacher_model if teacher else self.ref_model if ref else self.model
         if model is None:
-            raise RuntimeError("no reference model was built (use_kl_loss is off)")
+            raise RuntimeError(f"no {'teacher' if teacher else 'reference'} model was built")
+        ref = ref or teacher  # frozen: never with gradient
         if grad and self.tp > 1 and not ref:
             raise RuntimeError("with tensor parallelism, gradients go through train_step (the TP group's "
                                "losses are combined there)")

@@ -38,6 +38,11 @@ def test_every_original_name_is_accepted_or_refused_with_a_reason():
             assert callable(get_reward_function(name)), name
 
 
+def test_rm_type_none_scores_every_sample_zero():
+    """--rm-type none: no task reward (pure on-policy distillation, docs/algorithms.md)."""
+    assert {reward("none", r, label) for r, label in [("4", "4"), ("", None), ("x", "y")]} == {0.0}
+
+
 def test_names_module_is_import_light():
     """The argument parser reads the names: importing them must not import the graders."""
     code = ("import sys, slime.utils.reward_names; "
