@@ -67,6 +67,7 @@ def validate_custom_rollout(args: Args) -> None:
             f"--rm-url is only used with --rm-type remote_rm, not {args.rm_type}")
     require(args.rm_url is None or args.rm_url.startswith(("http://", "https://")),
             f"--rm-url must be an http(s) URL, got {args.rm_url!r}")
+    validate_reward_model(args)
     require(args.rm_timeout > 0, f"--rm-timeout must be > 0, got {args.rm_timeout}")
     require(args.rm_max_retries >= 0, f"--rm-max-retries must be >= 0, got {args.rm_max_retries}")
     require(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
@@ -131,6 +132,36 @@ def validate_reward_functions(args: Args) -> None:
             "--custom-reward-post-process-path both make the training rewards; pass one of them")
     require(args.overlong_buffer_len == 0, "--reward-aggregation gdpo does not add the --overlong-buffer-len "
             "penalty; list a length reward in --reward-functions instead")
+
+
+def validate_reward_model(args: Args) -> None:
+    """--rm-path goes with reward_model (--rm-type, or an entry of --reward-functions); its config.json
+    must be a sequence-classification model with one label (read now, no weights loaded)."""
+    listed = "reward_model" in (args.reward_functions or ())
+    flag = "--reward-functions reward_model" if listed else "--rm-type reward_model"
+    if not (listed or args.rm_type == "reward_model"):
+        require(args.rm_path is None, "--rm-path is only used by a reward model: pass --rm-type reward_model "
+                                      "(or list reward_model in --reward-functions)")
+        return
+    require(args.rm_path, f"{flag} needs --rm-path DIR (a Hugging Face sequence-classification reward model)")
+    path = Path(args.rm_path)
+    require(path.is_dir(), f"--rm-path {args.rm_path}: directory does not exist")
+    require((path / "config.json").is_file(), f"--rm-path {args.rm_path}: no config.json (not a Hugging Face model "
+                                              "directory)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SlimeConfigError(f"--rm-path {args.rm_path}: config.json is not valid JSON ({e})") from None
+    archs = config.get("architectures") or []
+    require(any(str(a).endswith("ForSequenceClassification") for a in archs),
+            f"--rm-path {args.rm_path}: architectures {archs} is not a ...ForSequenceClassification model; a reward "
+            "model is an AutoModelForSequenceClassification with num_labels 1")
+    id2label = config.get("id2label")
+    labels = len(id2label) if isinstance(id2label, dict) else config.get("num_labels", 2)  # transformers' default: 2
+    require(labels == 1, f"--rm-path {args.rm_path}: the model has {labels} labels; a reward model has num_labels 1 "
+                         "(one scalar score)")
+    require((path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file(),
+            f"--rm-path {args.rm_path}: no tokenizer (tokenizer_config.json or tokenizer.json)")
 
 
 def _load_custom_config(args: Args, path: str) -> dict:

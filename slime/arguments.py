@@ -165,9 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="math (default): math-verify equivalence of the final answer; exact: stripped string "
                         "equality; reasoning_gym: the task's own verifier (metadata from "
                         "slime.data.reasoning_gym); remote_rm: POST to --rm-url (the default when it is given); "
+                        "reward_model: the logit of the --rm-path reward model; "
                         "slime's names deepscaler, dapo, f1, gpqa, random and boxed_* (docs/coming_from_slime.md)")
     g.add_argument("--rm-url", default=None, help="a remote reward service: POST {prompt, response, label, "
                    "metadata} -> a number or a dict (docs/custom_rollout.md)")
+    g.add_argument("--rm-path", default=None, metavar="DIR", help="--rm-type reward_model: a Hugging Face "
+                   "sequence-classification reward model (num_labels 1) run in the rollout process")
     g.add_argument("--rm-timeout", type=float, default=60.0,
                    help="seconds one reward call may take; past it the sample counts as a reward failure")
     g.add_argument("--rm-max-retries", type=int, default=3,

@@ -1,4 +1,5 @@
-"""Reward functions: built-ins selected by `--rm-type`, a remote service (`--rm-url`), or the
+"""Reward functions: built-ins selected by `--rm-type`, a remote service (`--rm-url`), a
+sequence-classification reward model (`--rm-type reward_model --rm-path DIR`), or the
 user's `--custom-rm-path` (per sample, or per group with `--group-rm`); or several of these, weighted,
 with `--reward-functions` (`slime.rollout.rewards.mix`).
 
@@ -29,6 +30,7 @@ from slime.rollout.rewards.mix import RewardMix
 from slime.rollout.rewards.names import BOXED_PREFIX, UNAVAILABLE_RM_TYPES, unavailable_message
 from slime.rollout.rewards.reasoning_gym import reasoning_gym_reward
 from slime.rollout.rewards.remote import RemoteReward
+from slime.rollout.rewards.reward_model import RewardModelReward
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 from slime.utils.reward_names import is_builtin, reward_name
@@ -121,7 +123,7 @@ def _on_response(fn: Callable) -> Callable:
 
 def build_reward(args) -> RewardFunction | RewardMix:
     """The run's reward: --reward-functions (several, weighted), else --custom-rm-path, else
-    --rm-type (remote_rm uses --rm-url)."""
+    --rm-type (remote_rm uses --rm-url, reward_model --rm-path)."""
     entries = getattr(args, "reward_functions", None)
     if entries:
         return RewardMix([(reward_name(e), _builtin_reward(args, e) if is_builtin(e)
@@ -137,4 +139,6 @@ def _builtin_reward(args, rm_type: str) -> RewardFunction:
         return RewardFunction(RemoteReward(args.rm_url, args.rm_timeout, args.rm_max_retries), name="remote_rm")
     if rm_type == "reasoning_gym":
         return RewardFunction(reasoning_gym_reward)
+    if rm_type == "reward_model":
+        return RewardFunction(RewardModelReward(args.rm_path, args.rm_timeout), name="reward_model")
     return RewardFunction(_on_response(get_reward_function(rm_type)))
