@@ -118,6 +118,30 @@ def test_greedy_tokens_and_log_probs_match_hugging_face(engine, hf):
     assert generate(client, 1.0)[0] == generate(client, 1.0)[0]  # the same seed, the same sample
 
 
+def test_prompt_scoring_and_top_logprobs_match_hugging_face(engine, hf):
+    """`max_new_tokens: 0` with `logprob_start_len` scores the prompt (SGLang's shapes, plain
+    log-softmax); `top_logprobs_num` gives torch.topk of the log-softmax at each position."""
+    kind, url, client = engine
+    n, start = 3, 1
+    out = client.generate({"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": start,
+                           "top_logprobs_num": n, "sampling_params": {"max_new_tokens": 0}})
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0].float(), -1)
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == PROMPT[start:] and entries[0][0] is None
+    assert max_diff([e[0] for e in entries[1:]], [float(ref[p - 1, PROMPT[p]]) for p in range(start + 1,
+                                                                                               len(PROMPT))]) < 1e-4
+    assert meta["input_top_logprobs"][0] is None
+    for p, row in zip(range(start + 1, len(PROMPT)), meta["input_top_logprobs"][1:]):
+        vals, ids = torch.topk(ref[p - 1], n)
+        assert [e[1] for e in row] == ids.tolist() and max_diff([e[0] for e in row], vals.tolist()) < 1e-4
+    greedy, lps, meta = generate(client, n=4, top_logprobs_num=n)
+    assert [row[0][1] for row in meta["output_top_logprobs"]] == greedy
+    assert max_diff([row[0][0] for row in meta["output_top_logprobs"]], lps) < 1e-4
+
+
 def test_malformed_request_is_a_400_naming_the_field(engine):
     kind, url, client = engine
     with pytest.raises(EngineError) as e:

@@ -229,9 +229,10 @@ def test_custom_generate_must_return_samples(tiny_model_dir, tmp_path):
 
 
 # the flags naming a user function or class (--custom-config-path names a YAML file,
-# --lora-adapter-path a peft adapter directory)
+# --lora-adapter-path a peft adapter directory, --rm-path a reward model's directory)
+NOT_FUNCTIONS = ("--custom-config-path", "--lora-adapter-path", "--rm-path")
 EXTENSION_FLAGS = sorted(s for a in build_parser()._actions for s in a.option_strings
-                         if s.endswith("-path") and s not in ("--custom-config-path", "--lora-adapter-path"))
+                         if s.endswith("-path") and s not in NOT_FUNCTIONS)
 
 
 def test_every_extension_point_has_a_contract_test_and_a_documented_signature():

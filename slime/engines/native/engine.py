@@ -25,6 +25,9 @@ Deterministic mode (`deterministic=True`, `--enable-deterministic-inference`): e
 is its own forward and is sampled alone from its own generator (`batch_invariant.py`), so its
 tokens and log-probs are bitwise the same whatever shares its batch.
 
+Prompt log-probs (`logprob_start_len`, scoring with `max_new_tokens: 0`) and top log-probs
+(`top_logprobs_num`) are computed in `logprobs.py`: a forward of the prompt at admission, top-k at sampling.
+
 LoRA adapters (`lora.py`) ride on forward hooks: each request names its adapter (or none), the
 rows of one batch may mix them, and prefill dedup keys on (adapter, prompt).
 """
@@ -45,7 +48,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slime.engines.native import batch_invariant
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
 from slime.engines.native.lora import EngineLora, LoraState
-from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook
+from slime.engines.native.logprobs import logprob_options, record_output_top, score_prompts
+from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook, eos_token_ids
 from slime.engines.native.sampling import request_seed, sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (
@@ -113,7 +117,7 @@ class NativeEngine(EngineWeights, EngineLora):
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.num_layers = int(cfg.get_text_config(decoder=True).num_hidden_layers)
         self.max_context_length = int(context_length or getattr(cfg, "max_position_embeddings", None) or 4096)
-        self.eos_token_ids = self._collect_eos_ids()
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model)
         pad = self.tokenizer.pad_token_id
         if pad is None or not (0 <= pad < self.vocab_size):
             pad = 0
@@ -194,8 +198,8 @@ class NativeEngine(EngineWeights, EngineLora):
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed % (2**64))
         req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
-                      on_token=on_token, lora_name=inp.lora_name)
-        if sp.max_new_tokens == 0:
+                      on_token=on_token, lora_name=inp.lora_name, **logprob_options(inp))
+        if sp.max_new_tokens == 0 and not req.scores_prompt:  # nothing to compute
             self._finish(req, finish_length(0))
             return
         with self._cv:
@@ -337,25 +341,6 @@ class NativeEngine(EngineWeights, EngineLora):
         return _Ctx()
 
     # ------------------------------------------------------------------ worker
-    def _collect_eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-
-        def add(v):
-            if v is None:
-                return
-            if isinstance(v, (list, tuple, set)):
-                for x in v:
-                    add(x)
-            elif isinstance(v, int):
-                ids.add(int(v))
-
-        add(self.tokenizer.eos_token_id)
-        add(getattr(self.model.config, "eos_token_id", None))
-        gc = getattr(self.model, "generation_config", None)
-        if gc is not None:
-            add(getattr(gc, "eos_token_id", None))
-        return ids
-
     def _has_work(self) -> bool:
         if self._paused or self._released:
             return self._abort_pending
@@ -421,7 +406,7 @@ class NativeEngine(EngineWeights, EngineLora):
             self._admitting = admitted
         for r in self._lora_missing(admitted):  # their adapter was unloaded while they waited
             self._finish(r, r.finish)
-        admitted = [r for r in admitted if r.finish is None]
+        admitted = score_prompts(self, [r for r in admitted if r.finish is None])  # prompt-only ones finish here
         if admitted:
             self._prefill(admitted)
             self._retire()
@@ -561,7 +546,8 @@ class NativeEngine(EngineWeights, EngineLora):
 
     # ---- sampling
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Sample one token per row and record each row's log-prob of it."""
+        """Sample one token per row and record each row's log-prob of it (and top log-probs, when asked)."""
+        record_output_top(logits, reqs)
         if self.deterministic:
             tokens, token_lp = batch_invariant.sample_rows(logits, reqs, self._engine_generator)
         else:

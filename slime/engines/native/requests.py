@@ -22,6 +22,12 @@ class GenerationResult:
     prompt_tokens: int
     weight_version: str
     output_token_logprobs: list[float]
+    # with return_logprob (`protocol.logprobs`): SGLang's first prompt position of the input log-probs,
+    # their values from there (the first None), per position None or [(logprob, id)] x top_logprobs_num
+    logprob_start: int | None = None
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list | None = None
+    output_top_logprobs: list | None = None
 
 
 Callback = Callable[[GenerationResult | None, BaseException | None], None]
@@ -38,8 +44,13 @@ class Request:
     generator: torch.Generator | None = None
     on_token: TokenHook | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with, looked up by name at every step
+    logprob_start: int | None = None  # with return_logprob: SGLang's first prompt position of input log-probs
+    top_logprobs_num: int = 0  # with return_logprob: top tokens recorded per position
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)  # prompt positions logprob_start+1 .. on
+    input_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num, the same positions
+    output_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num per output token
     finish: dict | None = None
     aborted: bool = False
     done: bool = False
@@ -48,6 +59,11 @@ class Request:
     _text: str = ""
     _prefix_offset: int = 0
     _read_offset: int = 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's log-probs are computed (a position past the first returned one is asked for)."""
+        return self.logprob_start is not None and self.logprob_start < len(self.input_ids) - 1
 
     def add_token(self, t: int, eos_token_ids: set[int], max_context_length: int, tokenizer) -> None:
         """Append a sampled token (its log-prob is already in `logprobs`) and apply the finish
@@ -60,7 +76,8 @@ class Request:
             self.finish = finish_abort()
             return
         sp = self.params
-        if len(self.output_ids) >= sp.max_new_tokens or len(self.input_ids) + len(self.output_ids) >= max_context_length:
+        n_out = len(self.output_ids)
+        if n_out >= sp.max_new_tokens or len(self.input_ids) + n_out >= max_context_length:
             self.finish = finish_length(len(self.output_ids))
         elif not sp.ignore_eos and (t in eos_token_ids or t in sp.stop_token_ids):
             self.finish = finish_stop(t)
@@ -125,6 +142,13 @@ class Request:
                 weight_version=weight_version,
                 output_token_logprobs=list(lps),
             )
+            if self.logprob_start is not None:
+                n_in = len(self.input_ids) - self.logprob_start
+                res.logprob_start = self.logprob_start
+                res.input_token_logprobs = ([None] + self.input_logprobs)[:n_in]
+                if self.top_logprobs_num:
+                    res.input_top_logprobs = ([None] + self.input_top)[:n_in]
+                    res.output_top_logprobs = self.output_top[: len(ids)]
         except BaseException as e:  # noqa: BLE001
             self.callback(None, e)
             return
@@ -132,3 +156,24 @@ class Request:
             self.callback(res, None)
         except Exception:  # noqa: BLE001
             logger.exception("callback failed")
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    """The token ids that end a request: the tokenizer's, the model config's and its generation config's EOS."""
+    ids: set[int] = set()
+
+    def add(v):
+        if v is None:
+            return
+        if isinstance(v, (list, tuple, set)):
+            for x in v:
+                add(x)
+        elif isinstance(v, int):
+            ids.add(int(v))
+
+    add(tokenizer.eos_token_id)
+    add(getattr(model.config, "eos_token_id", None))
+    gc = getattr(model, "generation_config", None)
+    if gc is not None:
+        add(getattr(gc, "eos_token_id", None))
+    return ids

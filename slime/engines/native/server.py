@@ -36,8 +36,10 @@ from slime.engines.protocol import (
     ProtocolError,
     SamplingParams,
     build_generate_response,
+    check_logprob_start,
     check_prompt,
     error_body,
+    logprob_meta,
     parse_abort_request,
     parse_bool_param,
     parse_destroy_weights_update_group,
@@ -81,6 +83,12 @@ async def _errors(request: web.Request, handler):
 
 def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
     texts = engine.token_texts(res.output_ids) if (inp.return_logprob and inp.return_text_in_logprobs) else None
+    extra = None
+    if inp.return_logprob and res.logprob_start is not None:
+        extra = logprob_meta(input_ids=inp.input_ids, start=res.logprob_start, input_values=res.input_token_logprobs,
+                             input_top=res.input_top_logprobs, output_top=res.output_top_logprobs,
+                             top_logprobs_num=inp.top_logprobs_num,
+                             decode=engine.token_texts if inp.return_text_in_logprobs else None)
     return build_generate_response(
         rid=res.rid,
         text=res.text,
@@ -91,6 +99,7 @@ def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
         output_token_logprobs=res.output_token_logprobs,
         return_logprob=inp.return_logprob,
         logprob_token_texts=texts,
+        extra_meta=extra,
     )
 
 
@@ -107,6 +116,10 @@ def _prepare_generate(engine: NativeEngine, adm: Admission, raw: bytes):
             inp.input_ids = tokenize(engine.tokenizer, inp.text, name)
         adm.check_prompt_tokens(len(inp.input_ids), name)
         check_prompt(inp.input_ids, engine.vocab_size, engine.max_context_length, name=name)
+        check_logprob_start(inp, len(inp.input_ids), f"logprob_start_len[{k}]" if is_batch else "logprob_start_len")
+        if stream and inp.return_logprob and (inp.top_logprobs_num or inp.logprob_start_len >= 0):
+            raise ProtocolError("stream", "a streamed request returns output_token_logprobs only; send it without "
+                                          "stream for logprob_start_len >= 0 or top_logprobs_num > 0")
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
         engine.check_lora(inp.lora_name)
@@ -313,7 +326,8 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     name = parse_destroy_weights_update_group(await read_json(request, allow_empty=True))
     if not await asyncio.get_running_loop().run_in_executor(None, engine.destroy_weights_update_group, name):
         raise ProtocolError("group_name", f"no weight update group named {name!r}")
-    return web.json_response({"success": True, "message": f"destroyed {name!r}", "weight_version": engine.weight_version})
+    return web.json_response({"success": True, "message": f"destroyed {name!r}",
+                              "weight_version": engine.weight_version})
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:

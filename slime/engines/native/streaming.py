@@ -19,6 +19,8 @@ later; the last event carries the engine's final text, the one a non-streaming r
     data: {... the non-streaming response, finish_reason set}\\n\\n
     data: [DONE]\\n\\n
 
+The last event also carries `input_token_logprobs` (with `return_logprob`); a streamed request may
+not ask for `logprob_start_len` >= 0 or `top_logprobs_num` > 0 (400 naming `stream`).
 `text`, `output_ids` and `output_token_logprobs` are cumulative (SGLang's default);
 with `--incremental-streaming-output` each event carries only what is new since the
 previous one (SGLang's flag of that name). `completion_tokens` is always the total.
@@ -38,7 +40,7 @@ from aiohttp import web
 
 from slime.engines.native.engine import NativeEngine
 from slime.engines.native.requests import GenerationResult
-from slime.engines.protocol import GenerateInput, ProtocolError, build_generate_response, error_body
+from slime.engines.protocol import GenerateInput, ProtocolError, build_generate_response, error_body, logprob_meta
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +249,10 @@ def generate_update(engine: NativeEngine, st: StreamState, is_batch: bool, incre
         return_logprob=inp.return_logprob, logprob_token_texts=texts,
     )
     ev["meta_info"]["completion_tokens"] = n
+    if res is not None and inp.return_logprob and res.logprob_start is not None:  # the prompt's, in the last event
+        ev["meta_info"].update(logprob_meta(
+            input_ids=inp.input_ids, start=res.logprob_start, input_values=res.input_token_logprobs, input_top=None,
+            output_top=None, top_logprobs_num=0, decode=engine.token_texts if inp.return_text_in_logprobs else None))
     if is_batch:
         ev["index"] = st.index
     st.sent_tokens = n

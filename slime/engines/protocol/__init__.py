@@ -12,6 +12,7 @@ real SGLang server, the native engine or a router in front of either.
                          stop_token_ids, ignore_eos, skip_special_tokens, seed,
                          no_stop_trim},
      "return_logprob": bool, "rid": str | None,
+     "logprob_start_len": int, "top_logprobs_num": int,    (with return_logprob; see `logprobs`)
      "lora_path": str | [str | None, ...] | None}   (the name of a loaded LoRA adapter)
 
 Response::
@@ -21,7 +22,9 @@ Response::
                    "finish_reason": {"type": "stop" | "length" | "abort",
                                      "matched": int | str | None, ["length": n]},
                    "prompt_tokens": int, "completion_tokens": int,
-                   ["output_token_logprobs": [[logprob, token_id, None], ...]],
+                   ["output_token_logprobs": [[logprob, token_id, None], ...],
+                    "input_token_logprobs": [[logprob | None, token_id, None], ...],
+                    ("input_top_logprobs", "output_top_logprobs" with top_logprobs_num)],
                    "weight_version": str}}
 
 Log-prob definition: log-prob of the sampled token under
@@ -32,6 +35,7 @@ Validation errors raise `ProtocolError(field, message)`; servers answer them wit
 HTTP 400 and `error_body(err)`.
 
 `generate` holds the `/generate` request and response, `sampling` the sampling parameters,
+`logprobs` the prompt and top log-prob options and their response entries,
 `control_bodies` the control routes' bodies and `errors` the error type; every public name is
 re-exported here: import from `slime.engines.protocol`. The routes' paths are in
 `slime.engines.control.Route`.
@@ -72,6 +76,15 @@ from slime.engines.protocol.generate import (
     parse_generate_request,
     parse_json_body,
 )
+from slime.engines.protocol.logprobs import (
+    MAX_TOP_LOGPROBS_NUM,
+    check_logprob_start,
+    logprob_meta,
+    logprob_start,
+    scores_prompt,
+    token_triples,
+    top_triples,
+)
 from slime.engines.protocol.sampling import (
     DEFAULT_MAX_NEW_TOKENS,
     SamplingParams,
@@ -84,12 +97,14 @@ __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
     "MAX_JSON_DEPTH",
+    "MAX_TOP_LOGPROBS_NUM",
     "MEMORY_TAGS",
     "WEIGHT_DTYPES",
     "GenerateInput",
     "ProtocolError",
     "SamplingParams",
     "build_generate_response",
+    "check_logprob_start",
     "check_prompt",
     "check_prompt_count",
     "check_prompt_length",
@@ -100,6 +115,8 @@ __all__ = [
     "is_int",
     "is_number",
     "json_depth",
+    "logprob_meta",
+    "logprob_start",
     "parse_abort_request",
     "parse_bool_param",
     "parse_destroy_weights_update_group",
@@ -114,4 +131,7 @@ __all__ = [
     "parse_update_weights_from_disk",
     "parse_update_weights_from_distributed",
     "parse_weight_version",
+    "scores_prompt",
+    "token_triples",
+    "top_triples",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from slime.engines.protocol.errors import ProtocolError, is_int
+from slime.engines.protocol.logprobs import parse_logprob_options
 from slime.engines.protocol.sampling import SamplingParams, parse_sampling_params
 
 FINISH_STOP = "stop"
@@ -32,15 +33,16 @@ class GenerateInput:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     lora_name: str | None = None  # a loaded LoRA adapter (`lora_path` of the request); None: the base model
+    logprob_start_len: int = -1  # with return_logprob: prompt log-probs from this position (-1: SGLang's default)
+    top_logprobs_num: int = 0  # with return_logprob: the N most likely tokens per position (`logprobs.py`)
 
 
 # Top-level keys of POST /generate. Keys after the first block are accepted only at
 # their neutral value (they exist in SGLang; the native engine does not implement them).
-_TOP_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs", "lora_path"}
+_TOP_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs", "lora_path",
+             "logprob_start_len", "top_logprobs_num"}
 _NEUTRAL_TOP_KEYS = {
     "stream": False,
-    "logprob_start_len": None,  # -1 / None / 0 accepted (see below)
-    "top_logprobs_num": 0,
     "image_data": None,
     "custom_logit_processor": None,
     "return_hidden_states": False,
@@ -137,8 +139,6 @@ def parse_generate_request(body: Any, max_prompts: int | None = None,
             continue
         if key in _NEUTRAL_TOP_KEYS:
             neutral = _NEUTRAL_TOP_KEYS[key]
-            if key == "logprob_start_len" and (value is None or (is_int(value) and value in (-1, 0))):
-                continue
             if value is None or value == neutral:
                 continue
             raise ProtocolError(key, f"is not supported by this engine (only {neutral!r} is accepted)")
@@ -221,9 +221,11 @@ def parse_generate_request(body: Any, max_prompts: int | None = None,
             raise ProtocolError("rid", f"must be a non-empty string, got {rid!r}")
 
     loras = _lora_names(body.get("lora_path"), n, is_batch)
+    lp_options = parse_logprob_options(body, n, is_batch)
     inputs = []
-    for (kind, prompt), sp, rl, r, lora in zip(prompts, sps, rls, rids, loras):
-        gi = GenerateInput(rid=r, sampling_params=sp, return_logprob=rl, return_text_in_logprobs=rtl, lora_name=lora)
+    for (kind, prompt), sp, rl, r, lora, (start, top) in zip(prompts, sps, rls, rids, loras, lp_options):
+        gi = GenerateInput(rid=r, sampling_params=sp, return_logprob=rl, return_text_in_logprobs=rtl, lora_name=lora,
+                           logprob_start_len=start, top_logprobs_num=top)
         if kind == "ids":
             gi.input_ids = list(prompt)
         else:

@@ -50,6 +50,7 @@ from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
     SamplingParams,
+    check_logprob_start,
     check_prompt,
     error_body,
     parse_abort_request,
@@ -67,7 +68,9 @@ from slime.engines.serving import add_routes, body_limits, read_body, read_json,
 from slime.engines.vllm.limits import body_caps
 from slime.engines.vllm.errors import HTTPFailure
 from slime.engines.vllm.launch import SERVED_MODEL_NAME, vllm_env
+from slime.engines.vllm.logprobs import wants_prompt_logprobs
 from slime.engines.vllm.lora import LoraAdapters, load_lora_adapter, unload_lora_adapter
+from slime.engines.vllm.tokens import TokenTexts, vocab_size
 from slime.engines.vllm.translate import (
     UpstreamError,
     check_fits_context,
@@ -101,7 +104,8 @@ class AdapterState:
         self.sleep_mode = sleep_mode
         self.weight_version = "0"
         self.max_model_len: int | None = None
-        self.vocab_size: int | None = _vocab_size(model_path)
+        self.vocab_size: int | None = vocab_size(model_path)
+        self.token_texts = TokenTexts(model_path)  # texts of log-prob tokens vLLM names by id
         self.weights_dir = weights_dir or _weights_dir()
         self.session: aiohttp.ClientSession | None = None
         self.update_lock = asyncio.Lock()
@@ -148,15 +152,6 @@ class AdapterState:
         return (res or {}).get("results", [])
 
 
-def _vocab_size(model_path: str) -> int | None:
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    return int(v) if v else None
-
-
 def _weights_dir() -> str:
     return run_dirs.private_dir("slime-vllm-weights-", run_dirs.shm_or_tmp())
 
@@ -187,12 +182,19 @@ def _ok(state: AdapterState, **extra) -> web.Response:
 
 
 async def _generate_one(state: AdapterState, inp: GenerateInput) -> dict:
-    if inp.sampling_params.max_new_tokens == 0:
-        return empty_response(inp, state.weight_version)
+    if inp.sampling_params.max_new_tokens == 0 and not wants_prompt_logprobs(inp):
+        return await _answer(state, inp, empty_response, inp, state.weight_version)
     version = state.weight_version
     resp = await state.call("POST", "/v1/completions", json_body=to_completion_request(inp, state.served_model),
                             timeout=GENERATE_TIMEOUT)
-    return from_completion_response(inp, resp, version)
+    return await _answer(state, inp, from_completion_response, inp, resp, version)
+
+
+async def _answer(state: AdapterState, inp: GenerateInput, build, *args) -> dict:
+    """`build(*args, decode)`; off the event loop when log-prob tokens need texts (a tokenizer decodes them)."""
+    if not inp.return_text_in_logprobs:
+        return build(*args, None)
+    return await asyncio.to_thread(build, *args, state.token_texts)
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -206,6 +208,7 @@ async def generate(request: web.Request) -> web.Response:
             if state.vocab_size is not None:
                 check_prompt(inp.input_ids, state.vocab_size, (state.max_model_len or 1 << 62), name=name)
             check_fits_context(inp, state.max_model_len, name, sp_name + "max_new_tokens")
+            check_logprob_start(inp, len(inp.input_ids), "logprob_start_len" + (f"[{k}]" if is_batch else ""))
     state.lora_adapters.check_names(inputs, isinstance(body.get("lora_path"), list))
     async with state.lora_adapters.using([i.lora_name for i in inputs if i.lora_name is not None]):
         out = await asyncio.gather(*[_generate_one(state, inp) for inp in inputs])

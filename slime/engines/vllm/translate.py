@@ -9,6 +9,7 @@ completions body with a token-id prompt:
     stop, stop_token_ids, ignore_eos, skip_special_tokens -> same names
     no_stop_trim -> include_stop_str_in_output
     return_logprob -> logprobs = 0 (the sampled token's log-prob only)
+    logprob_start_len, top_logprobs_num -> prompt_logprobs, logprobs = N (`logprobs.py`)
     rid -> request_id (vLLM runs it as "cmpl-<rid>-0"; see `vllm_request_id`)
     lora_name (`lora_path`) -> model (vLLM selects a LoRA adapter by name; else the served model)
 
@@ -30,11 +31,21 @@ from typing import Any
 
 from slime.engines.protocol import (
     GenerateInput,
+    logprob_meta,
+    logprob_start,
     ProtocolError,
     build_generate_response,
     finish_abort,
     finish_length,
     finish_stop,
+)
+from slime.engines.protocol.logprobs import Decode
+from slime.engines.vllm.logprobs import (
+    LogprobsError,
+    extra_logprob_meta,
+    logprob_params,
+    token_ids_mode,
+    wants_prompt_logprobs,
 )
 
 
@@ -71,9 +82,9 @@ def to_completion_request(inp: GenerateInput, model: str) -> dict:
     if sp.seed is not None:
         # vLLM's seed is a signed 64-bit integer; slime accepts [-2^63, 2^64)
         body["seed"] = sp.seed - 2**64 if sp.seed >= 2**63 else sp.seed
-    if inp.return_logprob:
-        body["logprobs"] = 0
-        body["return_tokens_as_token_ids"] = not inp.return_text_in_logprobs
+    body.update(logprob_params(inp))
+    if body["max_tokens"] != sp.max_new_tokens:  # scoring: the one token vLLM makes is greedy
+        body.pop("top_k", None)
     return body
 
 
@@ -102,8 +113,9 @@ def _token_id(entry: str) -> int | None:
     return None
 
 
-def from_completion_response(inp: GenerateInput, resp: Any, weight_version: str) -> dict:
-    """slime's `/generate` response for `inp` from vLLM's completions response."""
+def from_completion_response(inp: GenerateInput, resp: Any, weight_version: str, decode: Decode | None = None) -> dict:
+    """slime's `/generate` response for `inp` from vLLM's completions response. `decode` (token ids ->
+    each one's text) names log-prob tokens when vLLM was asked for ids and the request wants texts."""
     if not isinstance(resp, dict) or not isinstance(resp.get("choices"), list) or not resp["choices"]:
         raise UpstreamError(f"vLLM's completions response has no choices: {str(resp)[:300]}")
     choice = resp["choices"][0]
@@ -115,8 +127,9 @@ def from_completion_response(inp: GenerateInput, resp: Any, weight_version: str)
     prompt_tokens = usage.get("prompt_tokens")
     if prompt_tokens is None:
         prompt_tokens = len(inp.input_ids) if inp.input_ids is not None else 0
-    logprobs = texts = None
-    if inp.return_logprob:
+    scoring = inp.sampling_params.max_new_tokens == 0  # the token vLLM had to generate is not the answer's
+    logprobs = texts = extra = None
+    if inp.return_logprob and not scoring:
         lp = choice.get("logprobs") or {}
         logprobs = lp.get("token_logprobs")
         tokens = lp.get("tokens") or []
@@ -124,31 +137,55 @@ def from_completion_response(inp: GenerateInput, resp: Any, weight_version: str)
             raise UpstreamError(f"vLLM returned {len(logprobs or [])} log-probs for {len(output_ids)} tokens")
         if any(v is None for v in logprobs):
             raise UpstreamError("vLLM returned a null log-prob for a generated token")
-        if inp.return_text_in_logprobs:
+        if inp.return_text_in_logprobs and not token_ids_mode(inp):
             texts = [str(t) for t in tokens] if len(tokens) == len(output_ids) else [None] * len(output_ids)
         else:
             ids = [_token_id(t) for t in tokens]
             if len(ids) == len(output_ids) and any(i is not None and i != o for i, o in zip(ids, output_ids)):
                 raise UpstreamError("vLLM's log-prob tokens do not match its token_ids")
+            if inp.return_text_in_logprobs:
+                texts = decode(output_ids) if decode is not None and output_ids else [None] * len(output_ids)
+    if scoring:
+        output_ids, logprobs = [], []
+    prompt_ids = inp.input_ids if inp.input_ids is not None else choice.get("prompt_token_ids")
+    if inp.return_logprob and not isinstance(prompt_ids, list) and (wants_prompt_logprobs(inp) or inp.top_logprobs_num):
+        raise UpstreamError("vLLM's completions response has no prompt_token_ids (needs return_token_ids)")
+    if inp.return_logprob and isinstance(prompt_ids, list):
+        try:
+            extra = extra_logprob_meta(inp, choice, [int(t) for t in prompt_ids], len(output_ids), decode)
+        except LogprobsError as e:
+            raise UpstreamError(str(e)) from None
     return build_generate_response(
         rid=inp.rid,
-        text=choice.get("text") or "",
+        text="" if scoring else choice.get("text") or "",
         output_ids=output_ids,
-        finish_reason=finish_reason_of(choice, output_ids),
+        finish_reason=finish_length(0) if scoring else finish_reason_of(choice, output_ids),
         prompt_tokens=int(prompt_tokens),
         weight_version=weight_version,
         output_token_logprobs=logprobs,
         return_logprob=inp.return_logprob,
         logprob_token_texts=texts,
+        extra_meta=extra,
     )
 
 
-def empty_response(inp: GenerateInput, weight_version: str) -> dict:
-    """`max_new_tokens: 0`: nothing to generate (the native engine's answer, without a vLLM call)."""
+def empty_response(inp: GenerateInput, weight_version: str, decode: Decode | None = None) -> dict:
+    """`max_new_tokens: 0` and no prompt log-prob to compute: nothing to ask vLLM (the native engine's
+    answer). With return_logprob its `input_token_logprobs` are SGLang's for that case: none, or the
+    first returned position only (a null log-prob)."""
+    prompt_ids = list(inp.input_ids) if inp.input_ids is not None else []
+    extra = None
+    if inp.return_logprob:
+        start = logprob_start(inp.logprob_start_len, len(prompt_ids), 0) if prompt_ids else 0
+        n_in = len(prompt_ids) - start
+        extra = logprob_meta(input_ids=prompt_ids, start=start, input_values=[None] * n_in,
+                             input_top=[None] * n_in, output_top=[], top_logprobs_num=inp.top_logprobs_num,
+                             decode=decode if inp.return_text_in_logprobs else None)
     return build_generate_response(
         rid=inp.rid, text="", output_ids=[], finish_reason=finish_length(0),
-        prompt_tokens=len(inp.input_ids) if inp.input_ids is not None else 0,
+        prompt_tokens=len(prompt_ids),
         weight_version=weight_version, output_token_logprobs=[], return_logprob=inp.return_logprob,
+        extra_meta=extra,
     )
 
 
@@ -168,7 +205,8 @@ def check_fits_context(inp: GenerateInput, max_model_len: int | None, name: str,
 
 _SLIME_FIELDS = {
     "prompt": "input_ids", "max_tokens": "sampling_params.max_new_tokens", "seed": "sampling_params.seed",
-    "include_stop_str_in_output": "sampling_params.no_stop_trim", "request_id": "rid", "logprobs": "return_logprob",
+    "include_stop_str_in_output": "sampling_params.no_stop_trim", "request_id": "rid", "logprobs": "top_logprobs_num",
+    "prompt_logprobs": "top_logprobs_num",
     **{k: f"sampling_params.{k}" for k in ("temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
                                             "skip_special_tokens")},
 }
