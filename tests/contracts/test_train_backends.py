@@ -20,7 +20,8 @@ from slime.training.fsdp.backend import FSDPBackend
 from slime.training.lr_schedule import LRSchedule
 from slime.utils.errors import SlimeConfigError
 from tests.helpers.training import (
-    COMMON, TEMPERATURE, assert_states_close, grads_after_train, local_actor, make_args, synthetic_batch,
+    COMMON, TEMPERATURE, assert_states_close, deterministic, grads_after_train, local_actor, make_args,
+    synthetic_batch,
 )
 
 BATCH = ["--rollout-batch-size", 4, "--n-samples-per-prompt", 2]
@@ -104,8 +105,8 @@ def test_log_probs_entropy_and_weights_match_hugging_face(name, tiny_model_dir, 
 
 
 def _train_capturing(args, batch, rollouts=1):
-    """Train `rollouts` times on `batch`; returns (grads per optimizer step with HF names, metrics,
-    final HF state)."""
+    """Train `rollouts` times on `batch`; returns (grads per optimizer step with HF names, metrics
+    without timings and memory, final HF state)."""
     actor = local_actor(args)
     be = actor.backend
     steps = []
@@ -126,7 +127,7 @@ def _train_capturing(args, batch, rollouts=1):
 
     be.optimizer.step = step
     try:
-        metrics = [actor.train(i, batch) for i in range(rollouts)]
+        metrics = [deterministic(actor.train(i, batch)) for i in range(rollouts)]
         state = actor.full_state(optimizer=False)[0]
     finally:
         actor.shutdown()

@@ -10,6 +10,7 @@ from slime.utils.errors import SlimeConfigError
 from tests.helpers.training import (
     COMMON,
     assert_states_close,
+    deterministic,
     grads_after_train,
     local_actor,
     make_args,
@@ -239,7 +240,7 @@ def test_two_ranks_balanced_dynamic_match_one_rank(tiny_model_dir, tmp_path, ray
             group.shutdown()
     (m2, sd2), (m1, sd1) = results[2], results[1]
     for a, b in zip(m2, m1):
-        for k in b:
+        for k in deterministic(b):  # timings and memory differ between layouts
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert_states_close(sd2, sd1, atol=1e-5)
     # the second rollout really had unequal local micro-batch counts before equalizing
