@@ -17,7 +17,8 @@ import yaml
 from transformers import AutoConfig
 
 from slime import model_flags, script_flags
-from slime.engines.kinds import engine_kind
+from slime.engines.kinds import KINDS, engine_kind
+from slime.engines.served_models import POLICY_DEFAULT_NAME, load_served_models, model_args, pass_through_key
 from slime.utils import checkpoint_files
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
@@ -54,6 +55,38 @@ def validate_engines(args: Args) -> None:
     kind = engine_kind(args)
     args.update_weights_mode = kind.resolve_update_weights_mode(args.update_weights_mode, args.colocate)
     kind.check(args)
+
+
+def validate_served_models(args: Args) -> None:
+    """--sglang-config (slime.engines.served_models): the models served, the policy among them. Sets
+    `args.served_models` (the frozen ones, in the file's order), `args.policy_model_name`, and the
+    policy's `num_engines` and `--rollout-num-gpus-per-engine`; `--rollout-num-gpus` counts every
+    served model's devices (given, it must equal the file's total, as in slime). The policy's
+    overrides join the run's pass-through flags of its kind. Without the flag: no frozen models, the
+    policy is named "actor"."""
+    args.served_models, args.policy_model_name = (), POLICY_DEFAULT_NAME
+    if args.sglang_config is None:
+        return
+    require(args.sglang_router_ip is None, "--sglang-config starts a router per served model; leave out "
+                                           "--sglang-router-ip/--sglang-router-port")
+    models = load_served_models(args.sglang_config, args.hf_checkpoint, args.rollout_backend,
+                                args.rollout_num_gpus_per_engine, tuple(KINDS))
+    policy = next(m for m in models if m.update_weights)
+    total = sum(m.num_gpus for m in models)
+    require(args.rollout_num_gpus in (None, total),
+            f"--rollout-num-gpus {args.rollout_num_gpus}: --sglang-config {args.sglang_config} serves {total} devices ("
+            + ", ".join(f"{m.name} {m.num_gpus}" for m in models) + "); make them agree or leave the flag out")
+    args.rollout_num_gpus, args.num_engines = total, policy.num_engines
+    args.rollout_num_gpus_per_engine = policy.gpus_per_engine
+    key = pass_through_key(policy.engine)
+    setattr(args, key, {**getattr(args, key), **policy.overrides})
+    args.policy_model_name = policy.name
+    args.served_models = tuple(m for m in models if not m.update_weights)
+    for m in args.served_models:
+        try:
+            engine_kind(model_args(args, m)).check(model_args(args, m))
+        except SlimeConfigError as e:
+            raise SlimeConfigError(f"--sglang-config {args.sglang_config}: model {m.name}: {e}") from None
 
 
 def validate_custom_rollout(args: Args) -> None:
@@ -279,6 +312,8 @@ def _validate_loss_type(args: Args) -> None:
                      ("--dynamic-sampling-filter-path", args.dynamic_sampling_filter_path),
                      ("--custom-reward-post-process-path", args.custom_reward_post_process_path)):
         require(not on, f"{flag} has no effect with --loss-type sft_loss")
+    require(args.sglang_config is None, "--sglang-config serves models for rollouts, which --loss-type sft_loss "
+                                        "does not run")
     args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 
@@ -352,6 +387,7 @@ def validate_debug(args: Args) -> None:
         require(not args.eval_sets, "--eval-prompt-data needs engines, which --debug-train-only does not start")
         require(not args.check_weight_update_equal, "--check-weight-update-equal needs engines")
         require(args.dynamic_sampling_filter_path is None, "--dynamic-sampling-filter-path needs engines")
+        require(args.sglang_config is None, "--sglang-config serves models, which --debug-train-only does not start")
         args.rollout_num_gpus = args.num_engines = 0  # no engines: placement reserves only the train ranks
 
 

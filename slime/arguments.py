@@ -36,6 +36,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     validate_megatron,
     validate_recompute,
     validate_script_flags,
+    validate_served_models,
 )
 from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the secret every engine, adapter and router of the run requires (Authorization: Bearer "
                         "KEY); default: $SLIME_ENGINE_API_KEY, else a new random key per run; custom code reads it "
                         "as context().api_key")
+    g.add_argument("--sglang-config", default=None, metavar="YAML",
+                   help="serve several models, each with its own engines and router (slime's YAML: the policy and "
+                        "frozen models such as a teacher or a judge; docs/served_models.md)")
     g.add_argument("--sglang-router-ip", default=None,
                    help="use this already running router instead of starting one")
     g.add_argument("--sglang-router-port", type=int, default=None)
@@ -455,15 +459,17 @@ def validate(args: Args) -> Args:
     for flag in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"):
         require(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.dp_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    validate_served_models(args)  # --sglang-config: every served model's devices and the policy's engines
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = args.dp_size if args.colocate else 1
     require(args.rollout_num_gpus >= 1, f"--rollout-num-gpus must be >= 1, got {args.rollout_num_gpus}")
-    require(
-        args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
-        f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
-        f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
-    )
-    args.num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
+    if args.sglang_config is None:
+        require(
+            args.rollout_num_gpus % args.rollout_num_gpus_per_engine == 0,
+            f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}",
+        )
+        args.num_engines = args.rollout_num_gpus // args.rollout_num_gpus_per_engine
     validate_engines(args)
 
     # files

@@ -63,6 +63,10 @@ class Run:
               f"{args.dp_size} train rank(s) on {nodes}{'; colocated' if args.colocate else ''}; weights by "
               f"{'a LoRA adapter (peft directory)' if args.lora_sync == 'adapter' else args.update_weights_mode}; "
               f"metrics in {self.logger.path}")
+        if args.served_models and self.engine_urls:  # --sglang-config: the frozen models beside the policy
+            served = get(self.rollout.served_model_urls.remote(), "start-up", "RolloutManager", args.stage_timeout)
+            print("slime: served beside the policy (" + args.policy_model_name + "): "
+                  + "; ".join(f"{name} at {', '.join(urls)}" for name, urls in served.items()))
         for note in getattr(args, "start_up_notes", ()):  # what slime's script flags given mean here (slime.script_flags)
             print(f"slime: {note}")
 

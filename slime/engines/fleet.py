@@ -152,15 +152,20 @@ class EnginePool:
 
 
 class EngineFleet:
-    """The run's engines (see the module docstring). `placement` is a `slime.ray.placement.Placement`
-    (or None: Ray schedules the engine actors anywhere); `loop` the rollout's event loop, on which
-    the pool's requests and the health monitor run."""
+    """The engines of one served model (see the module docstring): the policy's, or with `name` those
+    of a frozen model of `--sglang-config` (`args` is then `slime.engines.served_models.model_args`).
+    `placement` is a `slime.ray.placement.Placement` (or None: Ray schedules the engine actors
+    anywhere); `loop` the rollout's event loop, on which the pool's requests and the health monitor run."""
 
-    def __init__(self, args, placement, loop: asyncio.AbstractEventLoop):
+    def __init__(self, args, placement, loop: asyncio.AbstractEventLoop, name: str | None = None):
         self.args = args
         self.placement = placement
         self.loop = loop
+        self.name = name
+        self.bundles = None if placement is None else (
+            placement.engine_bundles if name is None else placement.model_bundles[name])
         self.servers: list = []
+        self._starts: list = []  # the engines' start-up calls (`launch`), waited for by `connect`
         self.urls: list[str] = []
         self.pool: EnginePool | None = None
         self.router = None  # RouterAdmin
@@ -172,17 +177,30 @@ class EngineFleet:
     def start(self, give_weights: Callable[[str, str], None]) -> list[str]:
         """Launch the engines, the router and (with --use-fault-tolerance) the health monitor;
         returns the engine URLs. `give_weights(url, version)` hands a restarted engine the weights."""
+        self.launch()
+        return self.connect(give_weights)
+
+    def launch(self) -> None:
+        """Start every engine's actor and its start-up (they run in parallel; `connect` waits for them),
+        so several fleets start at once. The router is started by `connect`, in the calling thread: a
+        process started from a thread that ends would die with it (`die_with_parent`)."""
         args = self.args
         server_cls = ray.remote(num_cpus=0)(EngineServer)
+        prefix = "engine" if self.name is None else f"engine_{self.name}"
         for rank in range(args.num_engines):
             opts = {}
             if self.placement is not None:
-                opts["scheduling_strategy"] = self.placement.strategy(self.placement.engine_bundles[rank])
-            self.servers.append(server_cls.options(**opts).remote(args, rank))
-        starts = [s.start.remote() for s in self.servers]  # in parallel; each bounded (its health wait and more)
-        self.urls = [get(ref, "engine start-up", f"EngineServer {rank}", args.engine_startup_timeout + 60)
-                     for rank, ref in enumerate(starts)]
-        log_path = Path(args.output_dir) / "logs" / "router.log"
+                opts["scheduling_strategy"] = self.placement.strategy(self.bundles[rank])
+            self.servers.append(server_cls.options(**opts).remote(args, rank, f"{prefix}_{rank}"))
+        self._starts = [s.start.remote() for s in self.servers]  # in parallel; each bounded (its health wait)
+
+    def connect(self, give_weights: Callable[[str, str], None]) -> list[str]:
+        """Wait for the engines `launch` started, start the router (or connect to
+        `--sglang-router-ip/port`), register them and start the health monitor; the engine URLs."""
+        args = self.args
+        self.urls = [get(ref, "engine start-up", self._who(rank), args.engine_startup_timeout + 60)
+                     for rank, ref in enumerate(self._starts)]
+        log_path = Path(args.output_dir) / "logs" / ("router.log" if self.name is None else f"router_{self.name}.log")
         if args.sglang_router_ip is not None:
             router_url = connect_router(args.sglang_router_ip, args.sglang_router_port)
         else:
@@ -200,6 +218,9 @@ class EngineFleet:
                                          give_weights)
             self._monitor_future = asyncio.run_coroutine_threadsafe(self.monitor.run(), self.loop)
         return self.urls
+
+    def _who(self, rank: int) -> str:
+        return f"EngineServer {rank}" if self.name is None else f"EngineServer {rank} of model {self.name}"
 
     @property
     def router_url(self) -> str | None:
@@ -227,7 +248,7 @@ class EngineFleet:
         self.router = self.router_process = None
         stops = [s.shutdown.remote() for s in self.servers]
         for rank, ref in enumerate(stops):
-            get(ref, "shutdown", f"EngineServer {rank}", SHUTDOWN_TIMEOUT_S)
+            get(ref, "shutdown", self._who(rank), SHUTDOWN_TIMEOUT_S)
         self.servers = []
 
     # ------------------------------------------------------------ generation (on the rollout loop)
@@ -289,4 +310,4 @@ class EngineFleet:
         return list(self.monitor.events) if self.monitor is not None else []
 
     def pids(self) -> list[int | None]:
-        return [get(s.pid.remote(), "engine pids", f"EngineServer {rank}", 30) for rank, s in enumerate(self.servers)]
+        return [get(s.pid.remote(), "engine pids", self._who(rank), 30) for rank, s in enumerate(self.servers)]

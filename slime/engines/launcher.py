@@ -5,7 +5,8 @@ the engine kind's server command (`slime.engines.kinds`) as a child process boun
 address (`slime.utils.net.node_address`: 127.0.0.1 on a local run), with the run's engine key in its
 environment and the run's directories and cluster addresses as the only ones it accepts
 (`slime.engines.auth`), waits until `/health` answers, and kills the process on shutdown or when the actor dies. The
-server's output goes to `<output-dir>/logs/engine_<rank>.log`.
+server's output goes to `<output-dir>/logs/engine_<rank>.log` (`engine_<model>_<rank>.log` for a
+model served beside the policy, `--sglang-config`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ logger = logging.getLogger(__name__)
 class EngineServer:
     """Ray actor owning one engine process."""
 
-    def __init__(self, args, rank: int):
+    def __init__(self, args, rank: int, log_name: str | None = None):
         self.args = args
         self.rank = rank
+        self.log_name = log_name or f"engine_{rank}"
+        self.label = self.log_name.replace("_", " ")  # "engine 0", "engine teacher 0"
         self.process: subprocess.Popen | None = None
         self.url: str | None = None
 
@@ -47,8 +50,8 @@ class EngineServer:
                 return self._launch(free_port(node_address()))
             except ForeignListener as e:
                 if attempt + 1 == attempts:
-                    raise RuntimeError(f"engine {self.rank} did not start: {e}") from None
-                logger.warning("engine %d: %s; launching on another port", self.rank, e)
+                    raise RuntimeError(f"{self.label} did not start: {e}") from None
+                logger.warning("%s: %s; launching on another port", self.label, e)
         raise AssertionError("unreachable")
 
     def _launch(self, port: int) -> str:
@@ -57,7 +60,7 @@ class EngineServer:
         cmd = kind.launch_command(self.args, self.rank, host, port, cluster_addresses())
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"engine_{self.rank}.log"
+        log_path = log_dir / f"{self.log_name}.log"
         env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1",
                    **{API_KEY_ENV: self.args.engine_api_key}, **kind.launch_env(self.args))
         with open(log_path, "ab") as log:
@@ -74,7 +77,7 @@ class EngineServer:
         except Exception as e:
             tail = log_path.read_text(errors="replace")[-2000:]
             self.shutdown()
-            raise RuntimeError(f"engine {self.rank} did not start ({e}); last output of {log_path}:\n{tail}") from None
+            raise RuntimeError(f"{self.label} did not start ({e}); last output of {log_path}:\n{tail}") from None
         return self.url
 
     def is_alive(self) -> bool:
@@ -88,7 +91,7 @@ class EngineServer:
         so the URL the trainer pushes weights to stays valid. It starts from --hf-checkpoint: the
         caller gives it the current weights. Returns the URL."""
         if self.url is None:
-            raise RuntimeError(f"engine {self.rank} was never started")
+            raise RuntimeError(f"{self.label} was never started")
         port = int(self.url.rsplit(":", 1)[1])
         kill_process_group(self.process)  # the whole group: a dead server may leave children behind
         self.process = None

@@ -4,7 +4,9 @@ On a CUDA cluster each device is a bundle `{"GPU": 1, "CPU": 1}`; on a machine
 without CUDA a "GPU" is a process and each bundle is a sliver of CPU
 (`{"CPU": 0.01}`), so `--actor-num-gpus-per-node 2` still means two ranks.
 With `--colocate`, engines share the train ranks' bundles; otherwise they get
-their own. Rank i always maps to bundle i (stable rank-to-device mapping).
+their own. Rank i always maps to bundle i (stable rank-to-device mapping). The
+engines of models served beside the policy (`--sglang-config`) take the rollout
+devices after the policy's, in the file's order (`--rollout-num-gpus` counts them all).
 
 `--actor-num-nodes N` (N > 1) puts `--actor-num-gpus-per-node G` train ranks on each of N distinct
 nodes, as slime does: ranks i*G .. i*G+G-1 are pinned to the i-th node (by Ray's node-id label)
@@ -13,7 +15,7 @@ among the alive nodes that have G devices; the engines go wherever the rest of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import NODE_ID_LABEL_KEY as NODE_ID_LABEL
@@ -36,6 +38,7 @@ class Placement:
     pg: PlacementGroup
     actor_bundles: list[int]  # bundle index of train rank i
     engine_bundles: list[int]  # bundle index of the first device of engine i
+    model_bundles: dict[str, list[int]] = field(default_factory=dict)  # a served model's: of its engine i
 
     def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle)
@@ -47,8 +50,10 @@ def create(args) -> Placement:
     n_actor = args.dp_size
     n_total = n_actor if args.colocate else n_actor + args.rollout_num_gpus
     need = {k: _num(v * n_total) for k, v in bundle.items()}
+    served = "".join(f", {m.num_gpus} of them for {m.name}" for m in args.served_models)
     what = (f"{n_total} bundles of {bundle} ({n_actor} train ranks"
-            f"{' with the engines colocated' if args.colocate else f' + {args.rollout_num_gpus} rollout devices'})")
+            f"{' with the engines colocated' if args.colocate else f' + {args.rollout_num_gpus} rollout devices'}"
+            f"{served})")
     # train ranks on N distinct nodes: the nodes are counted and checked first (the error names them)
     selectors = _train_node_selectors(args, bundle, n_total) if args.actor_num_nodes > 1 else None
     # more than the whole cluster has: say so now instead of waiting (no autoscaler adds nodes here)
@@ -69,7 +74,12 @@ def create(args) -> Placement:
         ) from None
     engine_start = 0 if args.colocate else n_actor
     engine_bundles = [engine_start + i * args.rollout_num_gpus_per_engine for i in range(args.num_engines)]
-    return Placement(pg=pg, actor_bundles=list(range(n_actor)), engine_bundles=engine_bundles)
+    model_bundles, start = {}, engine_start + args.num_engines * args.rollout_num_gpus_per_engine
+    for m in args.served_models:  # the frozen models' engines, after the policy's
+        model_bundles[m.name] = [start + i * m.gpus_per_engine for i in range(m.num_engines)]
+        start += m.num_gpus
+    return Placement(pg=pg, actor_bundles=list(range(n_actor)), engine_bundles=engine_bundles,
+                     model_bundles=model_bundles)
 
 
 def _train_node_selectors(args, bundle: dict, n_total: int) -> list[dict[str, str]]:

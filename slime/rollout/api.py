@@ -13,7 +13,10 @@ through the router with token ids in and token ids out:
         sample.append_env_tokens(tool_ids)                       # tool tokens, mask 0
 
 `context()` holds the args, the tokenizer, the engine pool, the OpenAI-compatible base URL
-(for agent code using the `openai` client) and the `--custom-config-path` values.
+(for agent code using the `openai` client) and the `--custom-config-path` values. Models served
+beside the policy (`--sglang-config`: a teacher, a judge, a reward model) are reached by name:
+`context().model(name)` is that model's engine pool (`await pool.generate(payload)`, or pass it as
+`engines=` to `generate_tokens`), `get_model_url(args, name, "/generate")` the URL of its router.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime.engines.control import Route
 from slime.types import Sample, SampleStatus
 
 
@@ -45,6 +49,19 @@ class RolloutContext:
     base_url: str  # the URL generation goes to; OpenAI clients use base_url + "/v1"
     custom_config: dict[str, Any] = field(default_factory=dict)
     loop: Any = None  # the rollout's event loop (the engine clients live on it)
+    models: dict[str, Any] = field(default_factory=dict)  # served model name -> its engine pool (the policy's too)
+
+    def model(self, name: str):
+        """The engine pool of the served model `name` (`--sglang-config`; the policy under its own
+        name): `await ctx.model("teacher").generate(payload)`."""
+        if name not in self.models:
+            raise KeyError(f"no served model named {name!r}; this run serves {sorted(self.models) or 'none yet'} "
+                           "(--sglang-config)")
+        return self.models[name]
+
+    def model_url(self, name: str) -> str:
+        """The URL of the router in front of model `name`'s engines (requests need `api_key`)."""
+        return self.model(name).router_url
 
     @property
     def openai_base_url(self) -> str:
@@ -78,6 +95,13 @@ def context() -> RolloutContext:
         raise RuntimeError("slime.rollout.api.context() is only available inside a rollout "
                            "(the RolloutManager sets it once the engines are up)")
     return _CONTEXT
+
+
+def get_model_url(args, name: str, endpoint: str = Route.GENERATE.value[1]) -> str:
+    """Original slime's helper: the URL of `endpoint` on the router of the served model `name`
+    (`--sglang-config`), e.g. `get_model_url(args, "teacher", "/generate")`. Calls need the run's key
+    (`context().api_key`). An unknown name raises KeyError naming the served models."""
+    return context().model_url(name).rstrip("/") + endpoint
 
 
 def parse_engine_output(out: dict) -> EngineOutput:

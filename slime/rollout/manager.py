@@ -6,7 +6,9 @@
   partial rollout, fully async, a rollout function, replayed rollouts, SFT conversations);
 - train data and metrics: Samples -> RolloutBatch (`train_data`), rollout and eval metrics (`metrics`,
   `evaluation`);
-- the fleet: the engines, the router, health and restarts (`slime.engines.fleet.EngineFleet`).
+- the fleet: the engines, the router, health and restarts (`slime.engines.fleet.EngineFleet`); one
+  more fleet per frozen model of `--sglang-config` (a teacher, a judge), reached by custom code as
+  `api.context().model(name)`. Those keep their memory under --colocate and take no weights.
 
 `generate(rollout_id)` returns one object ref of a RolloutBatch per data-parallel rank and the
 rollout's metrics. The driver calls everything else by name: `eval`, `offload` / `onload_weights` /
@@ -27,6 +29,7 @@ from slime.data.dataset import load_prompts
 from slime.data.source import make_data_source
 from slime.engines.fleet import EngineFleet
 from slime.engines.health import EngineRestartError
+from slime.engines.served_models import model_args
 from slime.rollout import api, debug_data
 from slime.rollout.evaluation import evaluate
 from slime.rollout.extensions import Extensions
@@ -49,6 +52,9 @@ class RolloutManager:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
         self.fleet = fleet if fleet is not None else EngineFleet(args, placement, self.loop)
+        # --sglang-config: the frozen models' engines, each fleet behind its own router
+        self.served = {m.name: EngineFleet(model_args(args, m), placement, self.loop, name=m.name)
+                       for m in args.served_models}
         self.staleness = Staleness(args.max_staleness)
         self.trainer = None  # --use-fault-tolerance: the train group that gives a restarted engine weights
         self.tokenizer = self.data_source = self.eval_sets = self.ext = self.sampler = self.runner = None
@@ -71,14 +77,28 @@ class RolloutManager:
                           for name, path in args.eval_sets.items()}
         self.ext = Extensions.load(args)
         # SFT and --debug-train-only start no engines
-        self.urls = self.fleet.start(self._give_weights) if args.num_engines else []
+        self.urls = self._start_engines() if args.num_engines else []
         engines = self.fleet if self.urls else None
         self.runner = GroupRunner(args, engines, build_reward(args), self.ext.generate, self.progress_counts,
                                   lambda: self.weight_version)
         self.sampler = make_sampler(args, self.data_source, self.runner, self.loop, self.ext, self.staleness)
+        models = {args.policy_model_name: self.fleet, **self.served} if engines is not None else {}
         api.set_context(api.RolloutContext(args, self.tokenizer, engines, self.urls[0] if self.urls else "",
-                                           args.custom_config, loop=self.loop))
+                                           args.custom_config, loop=self.loop, models=models))
         return self.urls
+
+    def _start_engines(self) -> list[str]:
+        """Start the policy's fleet and the frozen models' at once; the policy's engine URLs. A frozen
+        engine restarted under --use-fault-tolerance starts from its own checkpoint: it is given no weights."""
+        if not self.served:  # a stand-in fleet (tests) needs only `start`
+            return self.fleet.start(self._give_weights)
+        fleets = [self.fleet, *self.served.values()]
+        for fleet in fleets:
+            fleet.launch()
+        urls = self.fleet.connect(self._give_weights)
+        for fleet in fleets[1:]:
+            fleet.connect(_frozen)
+        return urls
 
     def progress(self) -> tuple[int, int]:
         """(samples done, samples launched) of the generate or eval call in flight; the driver polls
@@ -106,6 +126,8 @@ class RolloutManager:
         batch = to_train_batch(args, samples, self.ext.reward_post_process)
         metrics.update(rollout_metrics(args, samples, rollout.generated, elapsed, self.ext.sample_filter is not None))
         restarts = self.fleet.take_restart_count()
+        for fleet in self.served.values():  # --use-fault-tolerance: every served model's restarts
+            restarts = restarts if restarts is None else restarts + fleet.take_restart_count()
         if restarts is not None:
             metrics["rollout/engine_restarts"] = float(restarts)
         return self._per_rank(batch), metrics
@@ -178,8 +200,17 @@ class RolloutManager:
         return self.fleet.router_url
 
     def engine_restart_events(self) -> list[dict]:
-        """Every restart of this run (rank, url, reason, weight_version, seconds)."""
-        return self.fleet.restart_events
+        """Every restart of this run (rank, url, reason, weight_version, seconds; `model` for an engine
+        of a frozen served model)."""
+        return self.fleet.restart_events + [{**e, "model": name} for name, f in self.served.items()
+                                            for e in f.restart_events]
+
+    def served_model_urls(self) -> dict[str, list[str]]:
+        """The engine URLs of each frozen served model (--sglang-config)."""
+        return {name: list(f.urls) for name, f in self.served.items()}
+
+    def served_model_pids(self) -> dict[str, list[int | None]]:
+        return {name: f.pids() for name, f in self.served.items()}
 
     def engine_pids(self) -> list[int | None]:
         """The engine processes' pids (tests kill them)."""
@@ -213,4 +244,9 @@ class RolloutManager:
     def shutdown(self) -> None:
         if self.sampler is not None:
             self.sampler.stop()
-        self.fleet.close()
+        for fleet in [self.fleet, *self.served.values()]:
+            fleet.close()
+
+
+def _frozen(url: str, version: str) -> None:
+    """A restarted engine of a frozen model already serves its weights (it started from its checkpoint)."""
