@@ -17,6 +17,7 @@ import yaml
 from transformers import AutoConfig
 
 from slime import model_flags, script_flags
+from slime.data.dataset import check_prompt_file
 from slime.engines.kinds import KINDS, engine_kind
 from slime.engines.served_models import POLICY_DEFAULT_NAME, load_served_models, model_args, pass_through_key
 from slime.utils import checkpoint_files
@@ -87,6 +88,17 @@ def validate_served_models(args: Args) -> None:
             engine_kind(model_args(args, m)).check(model_args(args, m))
         except SlimeConfigError as e:
             raise SlimeConfigError(f"--sglang-config {args.sglang_config}: model {m.name}: {e}") from None
+
+
+def check_prompt_data(args: Args) -> None:
+    """Every row of --prompt-data (RL prompts, unless --data-source-path brings the data) and of each
+    --eval-prompt-data set, checked as the rollout will read them (JSON, the --input-key/--label-key
+    fields and their types), so bad data fails with its file and line before Ray or an engine starts."""
+    data = [args.prompt_data] if args.prompt_data is not None and args.loss_type != "sft_loss" \
+        and not args.data_source_path else []
+    for spec in [*data, *args.eval_sets.values()]:
+        check_prompt_file(spec, args.input_key, args.label_key, args.metadata_key, args.apply_chat_template,
+                          args.tool_key)
 
 
 def validate_custom_rollout(args: Args) -> None:

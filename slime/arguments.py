@@ -25,6 +25,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     POLICY_LOSS_OF_ESTIMATOR,
     check_checkpoint_dirs,
     check_frozen_model,
+    check_prompt_data,
     require,
     validate_algorithm,
     validate_async,
@@ -43,11 +44,12 @@ from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES, engine_kind
 from slime.lora_flags import add_lora_flags, validate_lora
 from slime.opd_flags import add_opd_flags, validate_opd
+from slime.reward_flags import add_judge_flags, add_reward_flags, validate_judge
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
 from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through
-from slime.utils.reward_names import RM_TYPES, UNAVAILABLE_RM_TYPES, unavailable_message
+from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, unavailable_message
 from slime.utils.slime_paths import check_args as check_slime_paths
 
 SGLANG_PREFIX = "--sglang-"
@@ -162,32 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts longer than this (in tokens) are dropped, with a counted warning")
     g.add_argument("--rollout-stop", nargs="+", default=None, help="stop strings")
     g.add_argument("--rollout-stop-token-ids", nargs="+", type=int, default=None)
-    g.add_argument("--rm-type", choices=RM_TYPES + tuple(UNAVAILABLE_RM_TYPES), default=None,
-                   help="math (default): math-verify equivalence of the final answer; exact: stripped string "
-                        "equality; reasoning_gym: the task's own verifier (metadata from "
-                        "slime.data.reasoning_gym); remote_rm: POST to --rm-url (the default when it is given); "
-                        "reward_model: the logit of the --rm-path reward model; "
-                        "slime's names deepscaler, dapo, f1, gpqa, random and boxed_* (docs/coming_from_slime.md)")
-    g.add_argument("--rm-url", default=None, help="a remote reward service: POST {prompt, response, label, "
-                   "metadata} -> a number or a dict (docs/custom_rollout.md)")
-    g.add_argument("--rm-path", default=None, metavar="DIR", help="--rm-type reward_model: a Hugging Face "
-                   "sequence-classification reward model (num_labels 1) run in the rollout process")
-    g.add_argument("--rm-timeout", type=float, default=60.0,
-                   help="seconds one reward call may take; past it the sample counts as a reward failure")
-    g.add_argument("--rm-max-retries", type=int, default=3,
-                   help="retries of a remote reward call after a timeout, connection error or HTTP 5xx")
-    g.add_argument("--reward-key", default=None,
-                   help="the entry of a dict reward that is the scalar reward (each entry is logged as "
-                        "rollout/reward/<key>)")
-    g.add_argument("--reward-functions", nargs="+", default=None, metavar="REWARD",
-                   help="several rewards, each an --rm-type name or a function path (as --custom-rm-path); each "
-                        "is logged as rollout/reward/<name>, the reward is their --reward-weights sum "
-                        "(docs/custom_rollout.md)")
-    g.add_argument("--reward-weights", nargs="+", type=float, default=None, metavar="W",
-                   help="one weight per --reward-functions entry (default: 1 each)")
-    g.add_argument("--reward-aggregation", choices=("sum", "gdpo"), default="sum",
-                   help="with --reward-functions: sum: train on the weighted sum (normalized per the estimator); "
-                        "gdpo: normalize each reward within its group, then the weighted sum over the batch (GDPO)")
+    add_reward_flags(g)  # --rm-type, --rm-*, --reward-*: slime.reward_flags
     g.add_argument("--rollout-request-timeout", type=float, default=600.0,
                    help="seconds one /generate call may take before it is an error")
     g.add_argument("--engine-startup-timeout", type=float, default=300.0)
@@ -428,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-host", default=None, help="W&B server URL (default: https://api.wandb.ai)")
     add_lora_flags(p)
     add_opd_flags(p)
+    add_judge_flags(p)
     add_model_flags(p)
     add_script_flags(p)
     return p
@@ -494,6 +472,7 @@ def validate(args: Args) -> Args:
     for name, path in args.eval_sets.items():
         require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
     validate_custom_rollout(args)
+    validate_judge(args)  # --rm-type llm_judge: the served --judge-model and the --judge-template file
     check_slime_paths(args)  # slime's own module paths that need another flag here
     if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
         args.eval_interval = 1 << 30  # before training and after the last rollout only
@@ -582,6 +561,7 @@ def validate(args: Args) -> Args:
         args.engine_api_key = env_api_key() or secrets.token_urlsafe(32)
     require(len(args.engine_api_key) >= 16 and args.engine_api_key.isprintable() and " " not in args.engine_api_key,
             "--engine-api-key must be at least 16 printable characters without spaces")
+    check_prompt_data(args)  # every row, as the rollout reads it (after the flags): before anything starts
     return args.freeze()
 
 

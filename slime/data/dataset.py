@@ -105,6 +105,51 @@ def render_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool
     return prompt
 
 
+def row_fields(where: str, row: dict, input_key: str, label_key: str | None, metadata_key: str | None,
+               apply_chat_template: bool, tool_key: str | None) -> tuple[Any, Any, dict, list | None]:
+    """(prompt, label, metadata, tool schemas) of one row, checked: a DataError names the place
+    (`file:line`), the field and its flag."""
+    if input_key not in row:
+        raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
+    prompt = row[input_key]
+    if isinstance(prompt, list):
+        check_messages(where, input_key, prompt)
+        if not apply_chat_template:
+            raise DataError(f"{where}: field {input_key!r} is a list of chat messages; pass --apply-chat-template")
+    elif not isinstance(prompt, str):
+        raise DataError(f"{where}: field {input_key!r} must be a string or a list of chat messages")
+    label = None
+    if label_key is not None:
+        if label_key not in row:
+            raise DataError(f"{where}: missing field {label_key!r} (--label-key); row has {sorted(row)}")
+        label = row[label_key]
+    metadata = row.get(metadata_key) if metadata_key else None
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise DataError(f"{where}: field {metadata_key!r} (--metadata-key) must be an object")
+    tools = None
+    if tool_key is not None and row.get(tool_key) is not None:
+        tools = row[tool_key]
+        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: field {tool_key!r} (--tool-key) must be a list of tool schemas (objects)")
+        if not apply_chat_template:
+            raise DataError(f"{where}: field {tool_key!r} (--tool-key) needs --apply-chat-template")
+        metadata = {**metadata, "tools": tools}
+    return prompt, label, metadata, tools
+
+
+def check_prompt_file(spec: str, input_key: str, label_key: str | None, metadata_key: str | None,
+                      apply_chat_template: bool, tool_key: str | None) -> None:
+    """Every row of a prompt file (and `@[start:end]` slice) read and checked as `load_prompts`
+    checks it, without a tokenizer: bad data fails at start-up, before Ray or an engine starts."""
+    path, rows = split_slice(str(spec))
+    if not path.is_file():
+        raise DataError(f"{path}: prompt file does not exist")
+    for where, row in list(read_rows(path))[rows]:
+        row_fields(where, row, input_key, label_key, metadata_key, apply_chat_template, tool_key)
+
+
 def load_prompts(
     path: str | Path,
     tokenizer,
@@ -129,33 +174,8 @@ def load_prompts(
     prompts: list[Prompt] = []
     too_long = 0
     for where, row in list(read_rows(path))[rows]:
-        if input_key not in row:
-            raise DataError(f"{where}: missing field {input_key!r} (--input-key); row has {sorted(row)}")
-        prompt = row[input_key]
-        if isinstance(prompt, list):
-            check_messages(where, input_key, prompt)
-            if not apply_chat_template:
-                raise DataError(f"{where}: field {input_key!r} is a list of chat messages; pass --apply-chat-template")
-        elif not isinstance(prompt, str):
-            raise DataError(f"{where}: field {input_key!r} must be a string or a list of chat messages")
-        label = None
-        if label_key is not None:
-            if label_key not in row:
-                raise DataError(f"{where}: missing field {label_key!r} (--label-key); row has {sorted(row)}")
-            label = row[label_key]
-        metadata = row.get(metadata_key) if metadata_key else None
-        if metadata is None:
-            metadata = {}
-        if not isinstance(metadata, dict):
-            raise DataError(f"{where}: field {metadata_key!r} (--metadata-key) must be an object")
-        tools = None
-        if tool_key is not None and row.get(tool_key) is not None:
-            tools = row[tool_key]
-            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise DataError(f"{where}: field {tool_key!r} (--tool-key) must be a list of tool schemas (objects)")
-            if not apply_chat_template:
-                raise DataError(f"{where}: field {tool_key!r} (--tool-key) needs --apply-chat-template")
-            metadata = {**metadata, "tools": tools}
+        prompt, label, metadata, tools = row_fields(where, row, input_key, label_key, metadata_key,
+                                                    apply_chat_template, tool_key)
         text = render_prompt(tokenizer, prompt, apply_chat_template, tools, chat_template_kwargs)
         input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not input_ids:

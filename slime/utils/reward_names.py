@@ -20,7 +20,7 @@ RESPONSE_RM_TYPES = ("math", "exact", "deepscaler", "dapo", "f1", "gpqa", "rando
 BOXED_PREFIX = "boxed_"
 
 RM_TYPES = (
-    "math", "exact", "reasoning_gym", "remote_rm", "reward_model", "none",
+    "math", "exact", "reasoning_gym", "remote_rm", "reward_model", "llm_judge", "none",
     "deepscaler", "dapo", "f1", "gpqa", "random",
     "boxed_math", "boxed_exact", "boxed_dapo", "boxed_f1", "boxed_gpqa", "boxed_random",
 )

@@ -1,5 +1,6 @@
 """Reward functions: built-ins selected by `--rm-type`, a remote service (`--rm-url`), a
-sequence-classification reward model (`--rm-type reward_model --rm-path DIR`), or the
+sequence-classification reward model (`--rm-type reward_model --rm-path DIR`), a served LLM judge
+(`--rm-type llm_judge --judge-template PATH`, `slime.rollout.rewards.llm_judge`), or the
 user's `--custom-rm-path` (per sample, or per group with `--group-rm`); or several of these, weighted,
 with `--reward-functions` (`slime.rollout.rewards.mix`).
 
@@ -25,6 +26,7 @@ from slime.rollout.rewards.dapo import dapo_reward
 from slime.rollout.rewards.deepscaler import deepscaler_reward, last_boxed
 from slime.rollout.rewards.f1 import f1_reward
 from slime.rollout.rewards.gpqa import gpqa_reward
+from slime.rollout.rewards.llm_judge import LLMJudgeReward
 from slime.rollout.rewards.math import math_reward
 from slime.rollout.rewards.mix import RewardMix
 from slime.rollout.rewards.names import BOXED_PREFIX, UNAVAILABLE_RM_TYPES, unavailable_message
@@ -123,7 +125,7 @@ def _on_response(fn: Callable) -> Callable:
 
 def build_reward(args) -> RewardFunction | RewardMix:
     """The run's reward: --reward-functions (several, weighted), else --custom-rm-path, else
-    --rm-type (remote_rm uses --rm-url, reward_model --rm-path)."""
+    --rm-type (remote_rm uses --rm-url, reward_model --rm-path, llm_judge --judge-model and --judge-template)."""
     entries = getattr(args, "reward_functions", None)
     if entries:
         return RewardMix([(reward_name(e), _builtin_reward(args, e) if is_builtin(e)
@@ -141,4 +143,6 @@ def _builtin_reward(args, rm_type: str) -> RewardFunction:
         return RewardFunction(reasoning_gym_reward)
     if rm_type == "reward_model":
         return RewardFunction(RewardModelReward(args.rm_path, args.rm_timeout), name="reward_model")
+    if rm_type == "llm_judge":
+        return RewardFunction(LLMJudgeReward(args), name="llm_judge")
     return RewardFunction(_on_response(get_reward_function(rm_type)))

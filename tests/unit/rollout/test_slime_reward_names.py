@@ -34,7 +34,7 @@ def test_every_original_name_is_accepted_or_refused_with_a_reason():
     assert {"math", "exact", "reasoning_gym", "remote_rm"} <= set(RM_TYPES)
     assert set(REWARD_FUNCTIONS) == set(RESPONSE_RM_TYPES)
     for name in RM_TYPES:
-        if name not in ("reasoning_gym", "remote_rm", "reward_model"):  # these take the prompt or a service
+        if name not in ("reasoning_gym", "remote_rm", "reward_model", "llm_judge"):  # the prompt, a service or a model
             assert callable(get_reward_function(name)), name
 
 
