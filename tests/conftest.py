@@ -29,3 +29,11 @@ def tiny_model_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory):
+    """A tiny random Qwen3-MoE model (2 MoE layers, 4 experts, top-2) with the tiny model's tokenizer."""
+    from slime.utils.tiny_model import build_tiny_moe_model
+
+    return str(build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe_model"), seed=0, family="qwen3_moe"))

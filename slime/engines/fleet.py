@@ -61,11 +61,13 @@ class EnginePool:
     where `generate` goes; concurrency: requests in flight per engine (the semaphore holds
     concurrency x len(urls)); fault_tolerant: retry requests whose engine failed under them;
     lora_name: the LoRA adapter every `/generate` uses unless it names one (`lora_path`), for
-    --lora-sync adapter, where the engines hold the policy as the base plus that adapter.
+    --lora-sync adapter, where the engines hold the policy as the base plus that adapter;
+    routed_experts: every `/generate` asks for the experts each token was routed to
+    (`return_routed_experts`, --use-rollout-routing-replay) unless it says otherwise.
     """
 
     def __init__(self, urls: list[str], timeout: float, router_url: str, concurrency: int = 512,
-                 fault_tolerant: bool = False, lora_name: str | None = None):
+                 fault_tolerant: bool = False, lora_name: str | None = None, routed_experts: bool = False):
         if not urls:
             raise ValueError("EnginePool needs at least one engine URL")
         self.urls = [normalize_url(u) for u in urls]
@@ -73,8 +75,10 @@ class EnginePool:
         self.limit = concurrency * len(self.urls)
         self.fault_tolerant = fault_tolerant
         self.lora_name = lora_name
+        self.routed_experts = routed_experts
         self.router = AsyncEngineControl(self.router_url, timeout=timeout)
         self.engines = {u: AsyncEngineControl(u, timeout=timeout) for u in self.urls}
+        self._direct = {u: 0 for u in self.urls}  # requests sent to each engine itself (`_post`)
         self.down: set[str] = set()  # engines out of the router (being restarted)
         self.fatal: BaseException | None = None  # set by the health monitor when it gives up
         self.in_flight = 0
@@ -97,6 +101,8 @@ class EnginePool:
     async def generate(self, payload: dict) -> dict:
         if self.lora_name is not None and payload.get("lora_path") is None:
             payload = {**payload, "lora_path": self.lora_name}
+        if self.routed_experts and "return_routed_experts" not in payload:
+            payload = {**payload, "return_routed_experts": True}
         sem, admitted = self._state()
         async with sem:
             self.in_flight += 1
@@ -112,7 +118,7 @@ class EnginePool:
             if self.fatal is not None:
                 raise self.fatal
             try:
-                return await self.router.generate(payload)
+                return await self._post(payload)
             except EngineError as e:
                 attempt += 1
                 if not self.fault_tolerant or not _retryable(e) or attempt >= FT_MAX_ATTEMPTS:
@@ -123,6 +129,22 @@ class EnginePool:
                 # wait until some engine is admitted (the monitor restarts the dead one meanwhile)
                 await admitted.wait()
                 await asyncio.sleep(min(2.0, 0.25 * attempt))
+
+    async def _post(self, payload: dict) -> dict:
+        """One `/generate` through the router; a request asking for the routed experts goes to an engine
+        itself (the admitted one with the fewest such requests in flight): sglang-router (0.3.x) drops
+        request fields it does not know, `return_routed_experts` among them."""
+        if not payload.get("return_routed_experts"):
+            return await self.router.generate(payload)
+        admitted = [u for u in self.urls if u not in self.down]
+        if not admitted:
+            raise EngineError("no engine is admitted (all are being restarted)")
+        url = min(admitted, key=lambda u: self._direct[u])
+        self._direct[url] += 1
+        try:
+            return await self.engines[url].generate(payload)
+        finally:
+            self._direct[url] -= 1
 
     async def on_each(self, call: Callable[[AsyncEngineControl], object]) -> list:
         """`call(engine)` on every admitted engine, in order (an engine being restarted is skipped:
@@ -211,7 +233,8 @@ class EngineFleet:
             self.router.add(url, timeout=args.engine_startup_timeout)
         self.pool = EnginePool(self.urls, timeout=args.rollout_request_timeout, router_url=router_url,
                                concurrency=args.sglang_server_concurrency, fault_tolerant=args.use_fault_tolerance,
-                               lora_name=POLICY_LORA_NAME if args.lora_sync == "adapter" else None)
+                               lora_name=POLICY_LORA_NAME if args.lora_sync == "adapter" else None,
+                               routed_experts=args.use_rollout_routing_replay)
         if args.use_fault_tolerance:
             self.monitor = HealthMonitor(self.pool, self.router, self.servers, self.urls,
                                          args.rollout_health_check_interval, args.rollout_health_check_timeout,

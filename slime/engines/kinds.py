@@ -37,6 +37,7 @@ class EngineKind:
     # the vLLM adapter unload only once the adapter's running requests finish
     swaps_lora_under_pause = False
     pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
+    returns_routed_experts = True  # /generate's return_routed_experts (R3, --use-rollout-routing-replay)
 
     def command(self, args, rank: int, host: str, port: int) -> list[str]:
         raise NotImplementedError
@@ -148,6 +149,7 @@ class VllmKind(EngineKind):
     """vLLM's OpenAI server (its own venv) behind slime's protocol adapter."""
 
     name = "vllm"
+    returns_routed_experts = False  # vLLM's CPU build does not return the routing (the adapter refuses the field)
 
     def command(self, args, rank, host, port):
         return vllm_command(args, rank, host, port, dtype=self.serve_dtype(args))

@@ -216,5 +216,6 @@ def model_args(args, model: ServedModel) -> argparse.Namespace:
     view.rollout_num_gpus = model.num_gpus
     view.lora_rank = 0
     view.lora_sync = None
+    view.use_rollout_routing_replay = False  # the policy's rollouts carry routed experts, not its teachers'
     view.sglang_router_ip = view.sglang_router_port = None  # an external router fronts the policy only
     return view

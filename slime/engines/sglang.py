@@ -172,6 +172,8 @@ def sglang_command(args, rank: int, host: str, port: int, parser: argparse.Argum
     for dest, argv in lora_flags(args).items():
         if dest not in user_dests:
             cmd += argv
+    if args.use_rollout_routing_replay and "enable_return_routed_experts" not in user_dests:
+        cmd += ["--enable-return-routed-experts"]  # R3: the routed experts of every token come back
     cmd += user
     try:
         parser.parse_args(cmd[3:])

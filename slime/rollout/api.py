@@ -22,8 +22,11 @@ beside the policy (`--sglang-config`: a teacher, a judge, a reward model) are re
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from slime.engines.control import Route
 from slime.types import Sample, SampleStatus
@@ -39,6 +42,9 @@ class EngineOutput:
     finish_reason: str  # "stop", "length" or "abort"
     weight_version: int | None = None
     prompt_tokens: int = 0
+    # the experts every token that went through a forward was routed to: Tensor[prompt + output - 1,
+    # MoE layers, top-k] (--use-rollout-routing-replay; SGLang's `routed_experts`), else None
+    routed_experts: Any = None
 
 
 @dataclass
@@ -112,12 +118,28 @@ def parse_engine_output(out: dict) -> EngineOutput:
     if len(log_probs) != len(output_ids):
         raise RuntimeError(f"engine returned {len(log_probs)} log-probs for {len(output_ids)} tokens")
     version = meta.get("weight_version")
+    prompt_tokens = int(meta.get("prompt_tokens", 0))
     return EngineOutput(
         output_ids=output_ids, text=out.get("text", ""), log_probs=log_probs,
         finish_reason=meta["finish_reason"]["type"],
         weight_version=int(version) if version is not None and str(version).isdigit() else None,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        prompt_tokens=prompt_tokens,
+        routed_experts=_routed_experts(meta, prompt_tokens + len(output_ids) - 1),
     )
+
+
+def _routed_experts(meta: dict, rows: int):
+    """meta_info's `routed_experts` (base64 of int32 [rows, layers, top-k]) as a Tensor, or None."""
+    data = meta.get("routed_experts")
+    if data is None:
+        return None
+    if int(meta.get("routed_experts_start_len", 0) or 0) != 0:
+        raise RuntimeError("engine returned routed experts from a later start (routed_experts_start_len); slime "
+                           "asks for every token's")
+    flat = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.int32)
+    if rows < 1 or flat.numel() % rows:
+        raise RuntimeError(f"engine returned {flat.numel()} routed expert ids for {rows} tokens")
+    return flat.reshape(rows, -1)
 
 
 async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=None) -> EngineOutput:
@@ -137,6 +159,8 @@ async def continue_sample(sample: Sample, sampling_params: dict, engines=None) -
     version from this call. Returns the call's output (its `text` is this turn's text)."""
     out = await generate_tokens(sample.tokens, sampling_params, engines)
     sample.append_model_tokens(out.output_ids, out.log_probs)
+    if out.routed_experts is not None:  # every token's experts so far (this call saw the whole sequence)
+        sample.rollout_routed_experts = out.routed_experts
     sample.status = STATUS_OF_FINISH.get(out.finish_reason, SampleStatus.COMPLETED)
     sample.weight_version = out.weight_version
     if out.weight_version is not None and (not sample.weight_versions or sample.weight_versions[-1] != out.weight_version):

@@ -11,6 +11,9 @@ A sample that arrives finished (from the partial-rollout buffer) is not generate
 sample with a partial response continues from its tokens with the rest of its token budget. With
 `--mask-offpolicy-in-partial-rollout` the tokens it had before (written by older weights) get
 loss mask 0. An aborted sample is not scored; a group with any aborted sample is unfinished.
+With a served OPD teacher (`--opd-type sglang`) every training sample is sent to the teacher right
+after its reward (`slime.rollout.teacher`; after the group's reward with `--group-rm`, the samples
+of the group concurrently); evaluation samples are not.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from slime.rollout.generate import generate, sample_seed, sampling_params, score, score_group
+from slime.rollout.teacher import score_teacher
 from slime.types import Sample, SampleStatus
 
 FINISHED = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
@@ -49,12 +53,12 @@ class GroupRunner:
             params["max_new_tokens"] -= s.response_length
             if params["max_new_tokens"] <= 0:
                 s.status = SampleStatus.TRUNCATED
-                return [await score(self.reward, args, s)] if not self.reward.group else [s]
+                return [await self._score(s, evaluation)]
         if args.rollout_max_context_len is not None:  # prompt + response (so far) + new tokens fit the context
             params["max_new_tokens"] = min(params["max_new_tokens"], args.rollout_max_context_len - len(s.tokens))
             if params["max_new_tokens"] <= 0:
                 s.status = SampleStatus.TRUNCATED
-                return [await score(self.reward, args, s)] if not self.reward.group else [s]
+                return [await self._score(s, evaluation)]
         launched = self.version_now()
         if launched is not None and (not s.weight_versions or s.weight_versions[-1] != launched):
             s.weight_versions = s.weight_versions + [launched]
@@ -68,16 +72,26 @@ class GroupRunner:
                                 "non-empty list of Samples")
             for x in out:
                 x.group_index = s.group_index
-        if not self.reward.group:
-            out = [x if x.status == SampleStatus.ABORTED else await score(self.reward, args, x) for x in out]
+        out = [await self._score(x, evaluation) for x in out]
         self.progress[0] += 1
         return out
+
+    async def _score(self, s: Sample, evaluation: bool) -> Sample:
+        """Reward one finished sample, then (--opd-type sglang) the teacher's log-probs; an aborted one
+        is not scored, and with --group-rm `group` scores the whole group."""
+        if s.status == SampleStatus.ABORTED or self.reward.group:
+            return s
+        return await self._teacher(await score(self.reward, self.args, s), evaluation)
+
+    async def _teacher(self, s: Sample, evaluation: bool) -> Sample:
+        return await score_teacher(self.args, s) if self.args.opd_served and not evaluation else s
 
     async def group(self, g: list[Sample], rollout_id: int, evaluation: bool = False) -> list[Sample]:
         samples = [x for out in await asyncio.gather(*(self.sample(s, rollout_id, evaluation) for s in g))
                    for x in out]
         if self.reward.group and not any(s.status == SampleStatus.ABORTED for s in samples):
             samples = await score_group(self.reward, self.args, samples)
+            samples = list(await asyncio.gather(*(self._teacher(s, evaluation) for s in samples)))
         return samples
 
 

@@ -5,7 +5,8 @@ penalty) normalized per the estimator over the samples whose reward did not fail
 0); with `--reward-aggregation gdpo`, GDPO's per-reward group normalization instead
 (`slime.rollout.rewards.mix`). Loss masks: a sample whose reward failed trains on nothing; nor does one a
 `--rollout-sample-filter-path` function removed, nor, with `--mask-truncated-samples`, one cut off
-at the length limit. SFT batches carry the conversations' masks and no rewards.
+at the length limit. With a served OPD teacher (`--opd-type sglang`) the batch carries each sample's
+`teacher_log_probs` (slime.rollout.teacher). SFT batches carry the conversations' masks and no rewards.
 """
 
 from __future__ import annotations
@@ -70,15 +71,31 @@ def loss_mask(args, s: Sample) -> list[int]:
     return s.loss_mask
 
 
+def teacher_log_probs(samples: list[Sample], masks: list[list[int]]) -> list[list[float] | None]:
+    """--opd-type sglang: every sample's served-teacher log-probs; a sample that trains on any token
+    must have one per response token (a failed one trains on nothing and may have none)."""
+    for i, (s, m) in enumerate(zip(samples, masks)):
+        lps = s.teacher_log_probs
+        if any(m) and (lps is None or len(lps) != s.response_length):
+            raise ValueError(f"--opd-type sglang: sample {i} trains on its response but has "
+                             f"{'no' if lps is None else len(lps)} teacher log-probs for {s.response_length} tokens; "
+                             "a --rollout-function-path rollout scores them itself "
+                             "(slime.rollout.teacher.score_teacher)")
+    return [s.teacher_log_probs for s in samples]
+
+
 def to_train_batch(args, samples: list[Sample], post_process: Callable | None) -> RolloutBatch:
+    masks = [loss_mask(args, s) for s in samples]
     return RolloutBatch(
         tokens=[s.tokens for s in samples],
         response_lengths=[s.response_length for s in samples],
-        loss_masks=[loss_mask(args, s) for s in samples],
+        loss_masks=masks,
         rewards=train_rewards(args, samples, post_process),
         raw_rewards=[s.reward if s.reward is not None else 0.0 for s in samples],
         rollout_log_probs=[s.rollout_log_probs for s in samples],
         group_indices=[s.group_index for s in samples],
+        teacher_log_probs=teacher_log_probs(samples, masks) if args.opd_served else None,
+        routed_experts=[s.rollout_routed_experts for s in samples] if args.use_rollout_routing_replay else None,
     )
 
 

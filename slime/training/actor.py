@@ -9,10 +9,11 @@ Per rollout (`train`, role "actor"):
      `--custom-advantage-function-path`), from rewards, KL(old || ref) when
      `--kl-coef` > 0 and the critic's values (PPO); optionally whitened over all ranks;
   4. the optimizer steps (`_run_steps`), per-token loss = policy loss
-     (`POLICY_LOSSES[args.policy_loss_type]`: ppo / gspo / cispo, or `--custom-loss-function-path`,
-     on one `LossInputs` record), weighted by truncated importance sampling against the engine's
-     log-probs (`--use-tis`), + kl_loss_coef * KL (importance-weighted with `--use-unbiased-kl`)
-     - entropy_coef * entropy.
+     (`policy_loss_for(args)`: ppo / gspo / cispo / sapo, or `--custom-loss-function-path`, on one
+     `LossInputs` record), weighted by importance sampling against the engine's log-probs
+     (`--use-tis`, `--tis-mode`), masked by OPSM and the top-entropy tokens (slime.algorithms.off_policy),
+     + kl_loss_coef * KL (importance-weighted with `--use-unbiased-kl`) - entropy_coef * entropy;
+     MoE models replay the engine's or the old policy's experts (slime.training.moe).
 `--loss-type sft_loss` trains the negative log-likelihood of the loss-mask tokens instead
 (`_train_sft`). Role "critic" (PPO) is a value model: `compute_values` before the actor's
 advantages, then `train_critic` on the actor's returns with the clipped value loss.
@@ -26,9 +27,8 @@ supplies only its per-token loss and the per-token values it logs. Metrics are l
 within a step (all ranks), averaged over steps, and identical on every rank.
 
 The backend (`BACKENDS[args.train_backend]`) implements `slime.training.backend.TrainBackend`;
-the weights reach the engines through one `slime.training.weight_sync` transport.
-The class is plain Python; `slime.ray.actor_group.TrainGroup` runs it as Ray actors.
-It can also be used in-process (world size 1) in tests.
+the weights reach the engines through one `slime.training.weight_sync` transport. The class is
+plain Python; `slime.ray.actor_group.TrainGroup` runs it as Ray actors, tests in-process (world size 1).
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ from torch import Tensor
 
 from slime.algorithms.advantages import ADVANTAGE_ESTIMATORS, whiten, whiten_stats
 from slime.algorithms.losses import (
-    POLICY_LOSSES, LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss, vanilla_tis,
+    LossInputs, aggregation_weights, kl_penalty, masked_sum, sft_loss, value_loss,
 )
-from slime.algorithms.opd import distill_advantages, reverse_kl
+from slime.algorithms.off_policy import off_policy_tis, policy_loss_for, token_masks
+from slime.algorithms.opd import distill_advantages, reverse_kl, served_teacher_log_probs
 from slime.engines.kinds import engine_kind
 from slime.training.backend import MicroBatch, TrainBackend
+from slime.training.freeze import copy_policy_into_reference, ref_update_due
+from slime.training.micro_batches import token_budget_micro_batches
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
 from slime.training.throughput import StepMeter, parameter_count
@@ -151,20 +154,21 @@ class TrainActor:
         critic = self.role == "critic"
         self.use_kl_loss = bool(args.use_kl_loss and args.kl_loss_coef > 0) and not critic
         self.use_ref = (self.use_kl_loss or args.kl_coef > 0) and not critic
-        self.use_opd = bool(getattr(args, "opd_in_trainer", False)) and not critic  # the teacher is in the trainer
+        self.use_opd = bool(getattr(args, "opd_in_trainer", False) or getattr(args, "opd_served", False)) and not critic
         # every policy loss is called as loss(inputs: LossInputs); a user's takes args first
         self.policy_loss = partial(load_function(args.custom_loss_function_path, "--custom-loss-function-path"),
-                                   args) if args.custom_loss_function_path else POLICY_LOSSES[args.policy_loss_type]
+                                   args) if args.custom_loss_function_path else policy_loss_for(args)
         self.custom_advantage_fn = load_function(args.custom_advantage_function_path,
                                                  "--custom-advantage-function-path") \
             if args.custom_advantage_function_path else None
         tis_fn = load_function(args.custom_tis_function_path, "--custom-tis-function-path") \
-            if args.custom_tis_function_path else vanilla_tis
+            if args.custom_tis_function_path else off_policy_tis
         self.tis_fn = tis_fn if args.use_tis else None
         self._returns = None
+        self._recorded_routing = None  # --use-routing-replay: this rollout's old-policy experts per sample
         self.backend = BACKENDS[args.train_backend](args, self.rank, self.world_size, self.master_addr,
                                                     self.master_port, with_ref=self.use_ref, value_head=critic,
-                                                    with_teacher=self.use_opd)
+                                                    with_teacher=self.use_opd and args.opd_in_trainer)
         # --lora-sync adapter: the engines get only the LoRA adapter (the reference model is the base)
         self.push_adapter = args.lora_sync == "adapter" and not critic
         self._transport = make_transport(args, self.rank,
@@ -204,18 +208,29 @@ class TrainActor:
         return [[indices[j] for j in g] for g in groups]
 
     def _mb(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
-        return MicroBatch([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
+        routed = batch.routed_experts if self.args.use_rollout_routing_replay else self._recorded_routing
+        return MicroBatch([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx],
+                          [routed[i] for i in idx] if routed is not None else None)
 
     @staticmethod
     def _masks(batch: RolloutBatch) -> list[Tensor]:
         return [torch.as_tensor(m, dtype=torch.float32) for m in batch.loss_masks]
 
-    def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool, teacher: bool = False) -> list[Tensor]:
+    def _no_grad_log_probs(self, batch: RolloutBatch, ref: bool, teacher: bool = False,
+                           record_routing: bool = False) -> list[Tensor]:
         out: list[Tensor] = [None] * len(batch)  # type: ignore[list-item]
+        recorded: list[Tensor | None] = [None] * len(batch)
         for idx in self._micro_batches(batch, list(range(len(batch)))):
-            lp, _ = self.backend.forward_logprobs(self._mb(batch, idx), grad=False, ref=ref, teacher=teacher)
+            mb = self._mb(batch, idx)
+            lp, _ = self.backend.forward_logprobs(mb, grad=False, ref=ref, teacher=teacher)
             for i, part in zip(idx, lp.detach().cpu().split([batch.response_lengths[i] for i in idx])):
                 out[i] = part
+            if record_routing:  # R2: the old policy's experts, replayed by the training forwards
+                be = self.backend
+                for i, r in zip(idx, be.routing.recorded_per_sample(be.last_routing, *be.routing_layout(mb))):
+                    recorded[i] = r
+        if record_routing:
+            self._recorded_routing = recorded
         return out
 
     def _check(self, batch: RolloutBatch) -> None:
@@ -307,7 +322,10 @@ class TrainActor:
         ro = self._policy_rollout(batch, masks, values)
         steps = self._run_steps(batch, masks, partial(self._policy_token_loss, ro), METRIC_KEYS,
                                 entropy_grad=bool(args.entropy_coef))
+        if self.use_ref and ref_update_due(rollout_id, args.ref_update_interval):  # the reference follows the policy
+            copy_policy_into_reference(be.model, be.ref_model)
         metrics = {f"train/{k}": v for k, v in steps.mean().items()}
+        metrics.update({f"train/{k}": v for k, v in be.routing.take_metrics(be.all_reduce_sum).items()})
         metrics["train/grad_norm"] = steps.grad_norm
         metrics["train/lr"] = be.lr
         diff = self._logprob_mismatch(batch, masks, ro.pre_lps)
@@ -337,16 +355,19 @@ class TrainActor:
         # `pre_lps` are the trainer's log-probs before any update (for TIS and the mismatch metric).
         if args.use_rollout_logprobs:
             source = "rollout"
-        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0 and not self.use_opd:
+        elif args.num_steps_per_rollout == 1 and args.kl_coef == 0 and not self.use_opd and not args.use_routing_replay:
             source = "forward"
         else:
-            source = "pass"
-        pre_lps: list[Tensor | None] = self._no_grad_log_probs(batch, ref=False) if source == "pass" else [None] * n
+            source = "pass"  # (--use-routing-replay: this pass records the routing the updates replay)
+        self._recorded_routing = None
+        pre_lps: list[Tensor | None] = self._no_grad_log_probs(
+            batch, ref=False, record_routing=args.use_routing_replay) if source == "pass" else [None] * n
         old_lps: list[Tensor | None] = rollout_lps if source == "rollout" else pre_lps
         kl = [kl_penalty(old_lps[i], ref_lps[i], args.kl_loss_type) for i in range(n)] if args.kl_coef > 0 else None
-        # --use-opd: the teacher's per-token reverse KL (student - teacher) enters the advantages
-        self._opd_kl = reverse_kl(old_lps, self._no_grad_log_probs(batch, ref=False, teacher=True)) \
-            if self.use_opd else None
+        # --use-opd: reverse KL (student - teacher) in the advantages; the teacher: the batch (served) or a forward
+        teacher = (served_teacher_log_probs(batch.teacher_log_probs, old_lps, masks) if args.opd_served else
+                   self._no_grad_log_probs(batch, ref=False, teacher=True)) if self.use_opd else None
+        self._opd_kl = reverse_kl(old_lps, teacher) if self.use_opd else None
         advantages, self._returns = self._advantages(batch, masks, kl, values)
         return _PolicyRollout(list(batch.response_lengths), advantages, source, old_lps, ref_lps, rollout_lps, pre_lps)
 
@@ -360,8 +381,9 @@ class TrainActor:
             for i, part in zip(idx, current.cpu().split(split)):
                 ro.pre_lps[i] = part
         old = current if ro.source == "forward" else torch.cat([ro.old_lps[i] for i in idx]).to(dev)
+        adv = torch.cat([ro.advantages[i] for i in idx]).to(dev)
         pg, clipfrac = self.policy_loss(LossInputs(
-            log_probs=lp, old_log_probs=old, advantages=torch.cat([ro.advantages[i] for i in idx]).to(dev),
+            log_probs=lp, old_log_probs=old, advantages=adv,
             loss_mask=mask, response_lengths=split, eps_clip=args.eps_clip, eps_clip_high=args.eps_clip_high,
             eps_clip_c=args.eps_clip_c))
         extra: dict[str, Tensor] = {}
@@ -372,6 +394,10 @@ class TrainActor:
             pg, pg_mask, extra = self.tis_fn(args, pg_loss=pg, train_log_probs=train_side, rollout_log_probs=rl,
                                              loss_mask=mask, response_lengths=split)
             pg = pg * pg_mask.to(pg.dtype)
+        pi_old = torch.cat([ro.rollout_lps[i] for i in idx]).to(dev) if ro.rollout_lps is not None else old
+        pg, masked = token_masks(args, pg_loss=pg, log_probs=current, old_log_probs=pi_old, advantages=adv,
+                                 entropy=ent, loss_mask=mask, response_lengths=split)
+        extra.update(masked)
         tok_loss = pg
         kl_tok = torch.zeros_like(pg)
         if self.use_kl_loss:
@@ -564,37 +590,4 @@ class TrainActor:
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """Full model (and optimizer) state dicts on rank 0 (empty elsewhere). Collective; for tests/tools."""
         return self.backend.full_state(optimizer)
-
-
-def token_budget_micro_batches(lengths: list[int], budget: int, min_groups: int = 0) -> list[list[int]]:
-    """Group item positions so that each group's token sum is <= `budget` (an item longer than
-    the budget forms a group alone), in as few groups as first-fit decreasing finds; then, while
-    there are fewer than `min_groups` groups, the group with the most tokens (and >= 2 items) is
-    halved by tokens. Groups hold ascending positions and are ordered by their first position.
-    Deterministic, so every call with the same lengths gives the same micro-batches."""
-    if budget < 1:
-        raise ValueError(f"token budget must be >= 1, got {budget}")
-    if min_groups > len(lengths):
-        raise ValueError(f"cannot make {min_groups} non-empty micro-batches of {len(lengths)} samples")
-    groups: list[list[int]] = []
-    sums: list[int] = []
-    for j in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        k = next((k for k in range(len(groups)) if sums[k] + lengths[j] <= budget), None)
-        if k is None:
-            groups.append([])
-            sums.append(0)
-            k = len(groups) - 1
-        groups[k].append(j)
-        sums[k] += lengths[j]
-    while len(groups) < min_groups:
-        k = max((k for k in range(len(groups)) if len(groups[k]) > 1), key=lambda k: (sums[k], -k))
-        halves: list[list[int]] = [[], []]
-        loads = [0, 0]
-        for j in groups[k]:  # already longest first
-            h = 1 if halves[0] and not halves[1] else (0 if loads[0] <= loads[1] else 1)
-            halves[h].append(j)
-            loads[h] += lengths[j]
-        groups[k:k + 1] = halves
-        sums[k:k + 1] = loads
-    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 

@@ -1,16 +1,21 @@
-"""Write a Hugging Face model directory from a state dict with HF names."""
+"""Write a Hugging Face model directory from a state dict with HF names: through the model class
+(`save_hf_model`) or as the tensors are (`write_hf_dir`, sharded like `save_pretrained`)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from slime.utils.errors import SlimeError
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+HF_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def save_hf_model(state: dict[str, torch.Tensor], config, origin_dir: str | Path, output_dir: str | Path,
@@ -36,3 +41,42 @@ def save_hf_model(state: dict[str, torch.Tensor], config, origin_dir: str | Path
                 and not f.name.endswith(".index.json") and not (out / f.name).exists():
             shutil.copy2(f, out / f.name)
     return out
+
+
+def write_hf_dir(out: Path, origin_dir: str | Path, config, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` (HF names, contiguous) as safetensors shards of at most HF_MAX_SHARD_BYTES in `out`
+    (with the index file when there are several), `config`, and the non-weight files of `origin_dir`
+    (tokenizer, generation config)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(origin_dir).iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+            shutil.copy2(f, out / f.name)
+    config.save_pretrained(out)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > HF_MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def checkpoint_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` under the names a Hugging Face checkpoint of `model` uses. transformers 5 builds some
+    modules from fused parameters (a MoE layer's experts as one `gate_up_proj`, for example) that its
+    checkpoints store per expert; `save_pretrained` writes the checkpoint names, and so does this
+    (other engines and tools read them). The identity for models without such conversions."""
+    return dict(revert_weight_conversion(model, dict(tensors)))

@@ -32,9 +32,9 @@ class Alias:
 
 _FILTERS = "slime.rollout.filter_hub.dynamic_sampling_filters."
 _COMPAT = "slime.rollout.upstream_compat."
-_OPD = ("on-policy distillation with a served teacher (--opd-type sglang: teacher log-probs from a teacher engine) "
-        "is not built; the teacher in the trainer is: --use-opd --opd-type fsdp --opd-teacher-load DIR "
-        "(docs/algorithms.md)")
+_OPD = ("on-policy distillation with a served teacher is built in here: drop --custom-rm-path, "
+        "--custom-reward-post-process-path and --rm-url, serve the teacher with --sglang-config and pass --use-opd "
+        "--opd-type sglang --opd-teacher-model NAME (docs/algorithms.md)")
 
 ALIASES: dict[str, Alias] = {
     # --dynamic-sampling-filter-path

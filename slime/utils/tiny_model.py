@@ -1,9 +1,11 @@
-"""Build a tiny random Llama-style model and a small word-level tokenizer.
+"""Build a tiny random Llama-style model (or a tiny mixture-of-experts one) and a small word-level
+tokenizer.
 
 No model hub is needed: the tokenizer is built with `tokenizers` from a fixed
 vocabulary and the model from a config. Used by `examples/quickstart.py --tiny`
 and by the tests. head_dim is 64 so that engines with a minimum head size
-(vLLM) can serve it too.
+(vLLM) can serve it too. `build_tiny_moe_model` writes a Qwen3-MoE, Qwen2-MoE or
+Mixtral of the same size (2 MoE layers of 4 experts, top-2) with the same tokenizer.
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -88,12 +100,53 @@ def build_tiny_model(
     return output_dir
 
 
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def build_tiny_moe_model(output_dir: str | Path, seed: int = 0, family: str = "qwen3_moe") -> Path:
+    """Write a tiny random mixture-of-experts model (`family`: one of `MOE_FAMILIES`) plus the tiny
+    tokenizer to `output_dir` and return it: 2 layers, each an MoE layer of 4 experts routing every
+    token to 2 of them."""
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"family must be one of {MOE_FAMILIES}, got {family!r}")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, head_dim=64, moe_intermediate_size=64, num_experts=4,
+                                decoder_sparse_step=1, norm_topk_prob=True)
+        cls = Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":
+        config = Qwen2MoeConfig(**common, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                num_experts=4, decoder_sparse_step=1, norm_topk_prob=False)  # Qwen1.5-MoE's
+        cls = Qwen2MoeForCausalLM
+    else:
+        config = MixtralConfig(**{**common, "intermediate_size": 64}, head_dim=64, num_local_experts=4)  # per expert
+        cls = MixtralForCausalLM
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = cls(config)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random model + tokenizer for tests and --tiny runs.")
     parser.add_argument("output_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", choices=MOE_FAMILIES, default=None, help="a mixture-of-experts model of this family")
     args = parser.parse_args()
-    print(build_tiny_model(args.output_dir, seed=args.seed))
+    if args.moe:
+        print(build_tiny_moe_model(args.output_dir, seed=args.seed, family=args.moe))
+    else:
+        print(build_tiny_model(args.output_dir, seed=args.seed))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ LAYERS = {
     "slime.driver": 6, "slime.checkpoint": 5,
     "slime.rollout": 4, "slime.training": 4, "slime.ray": 4,
     "slime.arguments": 3.5, "slime.argument_checks": 3, "slime.model_flags": 2.5, "slime.lora_flags": 2.5,
-    "slime.opd_flags": 2.5, "slime.reward_flags": 2.5, "slime.script_flags": 2.5, "slime.config_file": 2.5,
+    "slime.opd_flags": 2.5, "slime.moe_flags": 2.5, "slime.reward_flags": 2.5, "slime.script_flags": 2.5, "slime.config_file": 2.5,
+    "slime.off_policy_flags": 2.5,
     "slime.engines": 2, "slime.algorithms": 2, "slime.data": 2, "slime.observability": 2, "slime.plot": 2,
     "slime.types": 1, "slime.utils": 1, "slime": 0,
 }

@@ -38,12 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget in tokens (rows x padded length of the running batch); requests wait "
                         "when admitting them could exceed it. Default: 30%% of free memory")
     p.add_argument("--context-length", type=int, default=None, help="defaults to the config's max_position_embeddings")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: $OMP_NUM_THREADS if set, else the usable CPU count)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: $OMP_NUM_THREADS if set, else the usable CPU count)")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant numerics (SGLang's flag): each sequence is its own forward and is sampled "
                         "from its own generator, so its tokens and log-probs do not depend on its batch neighbours "
                         "(slime's --deterministic-mode; docs/reproducibility.md)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="accepted for SGLang's flag of that name and changes nothing: the native engine always "
+                        "serves /generate's return_routed_experts for a mixture-of-experts model (the experts "
+                        "each token was routed to, recorded only for the requests that ask)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="streamed /generate events carry only the text, output_ids and log-probs new since the "
                         "previous event (SGLang's flag); default: cumulative")

@@ -28,6 +28,9 @@ tokens and log-probs are bitwise the same whatever shares its batch.
 Prompt log-probs (`logprob_start_len`, scoring with `max_new_tokens: 0`) and top log-probs
 (`top_logprobs_num`) are computed in `logprobs.py`: a forward of the prompt at admission, top-k at sampling.
 
+Routed experts (`return_routed_experts`, MoE models) are recorded in the forwards of batches where
+a request asks for them and kept per request (`routing.py`).
+
 LoRA adapters (`lora.py`) ride on forward hooks: each request names its adapter (or none), the
 rows of one batch may mix them, and prefill dedup keys on (adapter, prompt).
 """
@@ -50,6 +53,7 @@ from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_
 from slime.engines.native.lora import EngineLora, LoraState
 from slime.engines.native.logprobs import logprob_options, record_output_top, score_prompts
 from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook, eos_token_ids
+from slime.engines.native.routing import EngineRouting
 from slime.engines.native.sampling import request_seed, sample_next_tokens
 from slime.engines.native.weights import EngineWeights
 from slime.engines.protocol import (
@@ -123,6 +127,7 @@ class NativeEngine(EngineWeights, EngineLora):
             pad = 0
         self.pad_token_id = int(pad)
         self._params_by_name = dict(self.model.state_dict(keep_vars=True))
+        self.routing = EngineRouting(self.model)  # MoE routers wrapped once; records only when asked
         self.kv_bytes_per_token = kv_bytes_per_token(cfg, self.dtype)
         if max_total_tokens is None:
             max_total_tokens = default_max_total_tokens(
@@ -182,14 +187,16 @@ class NativeEngine(EngineWeights, EngineLora):
                 self._finish(r, finish_abort("engine shut down"))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, inp: GenerateInput, callback: Callback, on_token: TokenHook | None = None) -> None:
+    def submit(self, inp: GenerateInput, callback: Callback, on_token: TokenHook | None = None,
+               routed_experts: bool = False) -> None:
         """Queue one validated request (`inp.input_ids` must be set). `callback(result, error)`
         is called exactly once, from the worker thread or the calling thread.
 
         `on_token(token_ids, logprobs)`, when given, is called from the worker thread with each
         token as it is sampled, except the one that ends the request (that one arrives only in
         the result): so a streamer never shows a stop token or the token completing a stop
-        string. It must be quick and must not block (e.g. `loop.call_soon_threadsafe`)."""
+        string. It must be quick and must not block (e.g. `loop.call_soon_threadsafe`). `routed_experts`:
+        the result carries the experts each token was routed to (`routing.py`; `routing.check` first)."""
         assert inp.input_ids is not None, "tokenize text before submit"
         sp = inp.sampling_params
         gen = None
@@ -198,8 +205,9 @@ class NativeEngine(EngineWeights, EngineLora):
             gen = torch.Generator(device=self.device)
             gen.manual_seed(seed % (2**64))
         req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
-                      on_token=on_token, lora_name=inp.lora_name, **logprob_options(inp))
-        if sp.max_new_tokens == 0 and not req.scores_prompt:  # nothing to compute
+                      on_token=on_token, lora_name=inp.lora_name, routed=[] if routed_experts else None,
+                      **logprob_options(inp))
+        if sp.max_new_tokens == 0 and not req.scores_prompt and req.routed is None:  # nothing to compute
             self._finish(req, finish_length(0))
             return
         with self._cv:
@@ -448,10 +456,12 @@ class NativeEngine(EngineWeights, EngineLora):
                 loras.append(r.lora_name)
             row_of.append(uniq[key])
         n = len(prompts)
-        if self.deterministic:
-            kv, logits = batch_invariant.prefill_rows(self, prompts, loras)
-        else:
-            kv, logits = self._prefill_batch(prompts, loras)
+        with self.routing.record(reqs) as rec:
+            if self.deterministic:
+                kv, logits = batch_invariant.prefill_rows(self, prompts, loras)
+            else:
+                kv, logits = self._prefill_batch(prompts, loras)
+        self.routing.add_prefill(rec, reqs, row_of, prompts, per_row=self.deterministic)
         if n != len(reqs):
             logits = logits.index_select(0, torch.tensor(row_of, dtype=torch.long, device=self.device))
         with self._cv:
@@ -496,10 +506,12 @@ class NativeEngine(EngineWeights, EngineLora):
         return kv, out.logits[:, -1, :].float()
 
     def _decode(self) -> None:
-        if self.deterministic:
-            logits = batch_invariant.decode_rows(self, self._kv, self._last_tokens, self._running)
-        else:
-            logits = self._decode_batch()
+        with self.routing.record(self._running) as rec:
+            if self.deterministic:
+                logits = batch_invariant.decode_rows(self, self._kv, self._last_tokens, self._running)
+            else:
+                logits = self._decode_batch()
+        self.routing.add_decode(rec, self._running)
         self._note_kv()
         tokens = self._sample(logits, self._running)
         self._last_tokens = tokens

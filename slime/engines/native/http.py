@@ -14,8 +14,9 @@ ENGINE_KEY = web.AppKey("engine", NativeEngine)
 INCREMENTAL_STREAM_KEY = web.AppKey("incremental_streaming_output", bool)
 
 
-def submit(engine: NativeEngine, inp) -> asyncio.Future:
-    """Queue `inp` on the engine; the future resolves (on this loop) with its GenerationResult."""
+def submit(engine: NativeEngine, inp, routed_experts: bool = False) -> asyncio.Future:
+    """Queue `inp` on the engine (`routed_experts`: with the experts each token was routed to); the
+    future resolves (on this loop) with its GenerationResult."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
@@ -33,7 +34,7 @@ def submit(engine: NativeEngine, inp) -> asyncio.Future:
         except RuntimeError:  # loop closed: nobody is waiting any more
             pass
 
-    engine.submit(inp, cb)
+    engine.submit(inp, cb, routed_experts=routed_experts)
     return fut
 
 

@@ -47,6 +47,8 @@ def score_prompts(engine: NativeEngine, reqs: list[Request]) -> list[Request]:
             _score(engine, r)
             with engine._cv:
                 engine._stats["scored_prompt_tokens"] += len(r.input_ids)
+        if r.finish is None and r.routed is not None and r.params.max_new_tokens == 0:
+            engine.routing.route_prompt(engine, r)  # its routed experts come from a forward of their own
         if r.finish is None and r.params.max_new_tokens > 0:
             rest.append(r)
         else:

@@ -28,6 +28,8 @@ class GenerationResult:
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list | None = None
     output_top_logprobs: list | None = None
+    # with return_routed_experts (`routing.py`): Tensor[len(prompt) + len(output) - 1, MoE layers, top-k] int32
+    routed_experts: torch.Tensor | None = None
 
 
 Callback = Callable[[GenerationResult | None, BaseException | None], None]
@@ -51,6 +53,7 @@ class Request:
     input_logprobs: list[float] = field(default_factory=list)  # prompt positions logprob_start+1 .. on
     input_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num, the same positions
     output_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num per output token
+    routed: list[torch.Tensor] | None = None  # with return_routed_experts: its rows [n, layers, top-k] (`routing.py`)
     finish: dict | None = None
     aborted: bool = False
     done: bool = False
@@ -149,6 +152,8 @@ class Request:
                 if self.top_logprobs_num:
                     res.input_top_logprobs = ([None] + self.input_top)[:n_in]
                     res.output_top_logprobs = self.output_top[: len(ids)]
+            if self.routed is not None:
+                res.routed_experts = torch.cat(self.routed) if self.routed else torch.zeros(0, dtype=torch.int32)
         except BaseException as e:  # noqa: BLE001
             self.callback(None, e)
             return

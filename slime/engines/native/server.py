@@ -10,6 +10,7 @@ tokenized. `"stream": true` answers with Server-Sent Events (`streaming.py`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 
@@ -29,6 +30,7 @@ from slime.engines.native.http import (
 from slime.engines.native.limits import ADMISSION_KEY, Admission, ServerLimits
 from slime.engines.native.openai_api import OPENAI_HANDLERS
 from slime.engines.native.requests import GenerationResult
+from slime.engines.native.routing import FIELD as ROUTED_EXPERTS, pop_routed_experts, routed_experts_flags
 from slime.engines.native.streaming import pop_stream_flag, stream_generate
 from slime.engines.native.weights import safetensors_header
 from slime.engines.protocol import (
@@ -61,6 +63,7 @@ from slime.engines.serving import (
     read_json,
     refusal,
 )
+from slime.utils.moe_routing import encode as encode_routing
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,9 @@ def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
                              input_top=res.input_top_logprobs, output_top=res.output_top_logprobs,
                              top_logprobs_num=inp.top_logprobs_num,
                              decode=engine.token_texts if inp.return_text_in_logprobs else None)
+    if res.routed_experts is not None:  # SGLang's shape: base64 of int32 [prompt + output - 1, layers, top-k]
+        extra = {**(extra or {}), "routed_experts": base64.b64encode(encode_routing(res.routed_experts)).decode(),
+                 "routed_experts_start_len": 0}
     return build_generate_response(
         rid=res.rid,
         text=res.text,
@@ -107,8 +113,14 @@ def _prepare_generate(engine: NativeEngine, adm: Admission, raw: bytes):
     """Parse, validate and tokenize a `/generate` body (on a prepare thread)."""
     body = json_of(raw)
     stream = pop_stream_flag(body)
+    routed = pop_routed_experts(body)
     inputs, is_batch = parse_generate_request(body, max_prompts=adm.max_prompts,
                                               max_prompt_tokens=adm.max_prompt_tokens)
+    routed = routed_experts_flags(routed, len(inputs), is_batch)
+    if any(routed):
+        engine.routing.check(ROUTED_EXPERTS)
+        if stream:
+            raise ProtocolError(ROUTED_EXPERTS, "is not returned on a streamed request; send it without stream")
     field = "input_ids" if inputs[0].text is None else "text"
     for k, inp in enumerate(inputs):
         name = f"{field}[{k}]" if is_batch else field
@@ -123,17 +135,17 @@ def _prepare_generate(engine: NativeEngine, adm: Admission, raw: bytes):
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         engine.check_fits(inp.input_ids, inp.sampling_params, name=name, max_new_name=sp_name + "max_new_tokens")
         engine.check_lora(inp.lora_name)
-    return stream, inputs, is_batch, field
+    return stream, inputs, is_batch, field, routed
 
 
 async def generate(request: web.Request) -> web.Response:
     engine, adm = request.app[ENGINE_KEY], request.app[ADMISSION_KEY]
     raw = await read_body(request)
-    stream, inputs, is_batch, field = await adm.prepare(_prepare_generate, engine, adm, raw)
+    stream, inputs, is_batch, field, routed = await adm.prepare(_prepare_generate, engine, adm, raw)
     adm.check_queue(engine, len(inputs), field)  # no await from here to the submits: the check holds
     if stream:
         return await stream_generate(request, engine, inputs, is_batch, request.app[INCREMENTAL_STREAM_KEY])
-    futs = [submit(engine, inp) for inp in inputs]
+    futs = [submit(engine, inp, r) for inp, r in zip(inputs, routed)]
     try:
         results = await asyncio.gather(*futs)
     except asyncio.CancelledError:  # client went away: free the engine's rows

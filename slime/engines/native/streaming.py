@@ -20,7 +20,8 @@ later; the last event carries the engine's final text, the one a non-streaming r
     data: [DONE]\\n\\n
 
 The last event also carries `input_token_logprobs` (with `return_logprob`); a streamed request may
-not ask for `logprob_start_len` >= 0 or `top_logprobs_num` > 0 (400 naming `stream`).
+not ask for `logprob_start_len` >= 0 or `top_logprobs_num` > 0 (400 naming `stream`), nor for
+`return_routed_experts` (400 naming it).
 `text`, `output_ids` and `output_token_logprobs` are cumulative (SGLang's default);
 with `--incremental-streaming-output` each event carries only what is new since the
 previous one (SGLang's flag of that name). `completion_tokens` is always the total.

@@ -76,6 +76,7 @@ from slime.engines.vllm.translate import (
     check_fits_context,
     empty_response,
     from_completion_response,
+    refuse_routed_experts,
     safetensors_names,
     to_completion_request,
     upstream_error,
@@ -199,7 +200,7 @@ async def _answer(state: AdapterState, inp: GenerateInput, build, *args) -> dict
 
 async def generate(request: web.Request) -> web.Response:
     state: AdapterState = request.app[STATE]
-    body = await read_json(request)
+    body = refuse_routed_experts(await read_json(request))
     inputs, is_batch = parse_generate_request(body)
     for k, inp in enumerate(inputs):
         name = ("input_ids" if inp.text is None else "text") + (f"[{k}]" if is_batch else "")

@@ -14,7 +14,9 @@ completions body with a token-id prompt:
     lora_name (`lora_path`) -> model (vLLM selects a LoRA adapter by name; else the served model)
 
 plus `return_token_ids: true` so the response carries the generated token ids, and
-`return_tokens_as_token_ids: true` so log-prob entries name tokens by id.
+`return_tokens_as_token_ids: true` so log-prob entries name tokens by id. `return_routed_experts` is
+refused (400) unless off: vLLM does not return the experts each token was routed to
+(`refuse_routed_experts`).
 
 Response: choice 0 becomes slime's `{text, output_ids, meta_info}` through
 `protocol.build_generate_response`; vLLM's `finish_reason` / `stop_reason` map to slime's
@@ -201,6 +203,19 @@ def check_fits_context(inp: GenerateInput, max_model_len: int | None, name: str,
             f"= {need} tokens exceeds vLLM's max model length ({max_model_len}; --vllm-max-model-len); "
             f"lower it to at most {max_model_len - len(inp.input_ids)}",
         )
+
+
+def refuse_routed_experts(body: Any) -> Any:
+    """`body` without its `return_routed_experts`, which is accepted only when off (false or null, or a
+    list of them, as sglang-router re-serializes a request); ProtocolError when it asks for routing."""
+    if not isinstance(body, dict):
+        return body
+    value = body.pop("return_routed_experts", None)
+    if any(v is not None and v is not False for v in (value if isinstance(value, list) else [value])):
+        raise ProtocolError("return_routed_experts", "is not supported by the vLLM engine (it does not return the "
+                                                     "experts each token was routed to); use --rollout-backend "
+                                                     "sglang or native for rollout routing replay")
+    return body
 
 
 _SLIME_FIELDS = {

@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
@@ -55,16 +52,17 @@ from slime.training.fsdp import determinism
 from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
+from slime.training.freeze import freeze_parameters
+from slime.training.moe import TrainRouting
 from slime.utils.checkpoint_data import dcp_load
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
+from slime.utils.hf_export import checkpoint_names, write_hf_dir
 from slime.utils.net import node_address
 
 logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-HF_MAX_SHARD_BYTES = 5 * 10**9
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 class FSDPBackend(StepTail):
@@ -124,6 +122,8 @@ class FSDPBackend(StepTail):
         self.lora = bool(args.lora) and not value_head
         if self.lora:
             model = lora.add_adapters(model, args)
+        if args.freeze_params_name_list and not value_head:  # these parameters never train (before sharding)
+            freeze_parameters(model, args.freeze_params_name_list)
         # One rank has nothing to shard: FSDP2 there would only add, to every micro-batch, an
         # all-gather and a reduce-scatter that copy every parameter and gradient, its per-module
         # hooks and DTensor dispatch in the optimizer (a third of a tiny model's step on CPU), for
@@ -151,6 +151,9 @@ class FSDPBackend(StepTail):
                 fully_shard(layer, mesh=mesh, mp_policy=self.mixed_precision, offload_policy=policy)
             fully_shard(model, mesh=mesh, mp_policy=self.mixed_precision, offload_policy=policy)
         self.model = model
+        # MoE models: the load-balancing loss, expert usage and routing replay of the policy's forwards
+        self.routing = TrainRouting(model, 0.0 if value_head else args.moe_aux_loss_coeff)
+        self.last_routing = None  # what the routers used in the last policy forward (slime.training.moe)
         self.pad_token_id = _pad_token_id(self.hf_config)
         # log-probs from the hidden states through the output layer chunk by chunk (no [tokens, vocab]
         # tensor), for models whose forward ends in that layer (checked once)
@@ -222,7 +225,11 @@ class FSDPBackend(StepTail):
         if model is None:
             raise RuntimeError(f"no {'teacher' if teacher else 'reference'} model was built")
         with torch.set_grad_enabled(grad and not (ref or teacher)):
-            out = self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
+            if model is self.model:  # the policy: MoE routing replayed (mb.routed_experts) and recorded
+                with self.routing.forward(mb.routed_experts, *self.routing_layout(mb)) as self.last_routing:
+                    out = self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
+            else:
+                out = self._forward(model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad and grad)
         if (ref or teacher) and isinstance(model, FSDPModule):
             model.reshard()  # FSDP2 keeps the root's parameters (embeddings, head) gathered after a forward
         return out
@@ -250,6 +257,11 @@ class FSDPBackend(StepTail):
             if values.numel() == 0 and torch.is_grad_enabled():
                 values = values + 0.0 * out.sum()
             return values.float()
+
+    def routing_layout(self, mb) -> tuple[list[int], bool, int]:
+        """How the routers see a micro-batch's tokens: (sample lengths, one packed row, padded width)."""
+        lens = [len(t) for t in mb.tokens]
+        return lens, self.pack, max(lens)
 
     @staticmethod
     def _layout(mb) -> tuple[list[int], list[int]]:
@@ -429,6 +441,9 @@ class FSDPBackend(StepTail):
                 else:
                     lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
                 loss = loss_fn(k, lp, ent)
+                aux = self.routing.training_forward(self.last_routing, *self.routing_layout(mb))
+                if aux is not None:  # --moe-aux-loss-coeff: the mean over the step's micro-batches
+                    loss = loss + aux / len(micro_batches)
                 loss.backward()
         finally:
             if self.lora:
@@ -507,13 +522,6 @@ class FSDPBackend(StepTail):
         return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora else StateDictOptions()
 
     def _write_hf(self, out: Path, state_dict: dict[str, Tensor]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        src = Path(self.args.hf_checkpoint)
-        for f in src.iterdir():
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-                shutil.copy2(f, out / f.name)
-        self.hf_config.save_pretrained(out)
-
         # parameters once (a tied LM head is saved as the embedding only) + persistent buffers
         keep = {n for n, _ in self.model.named_parameters()}
         keep |= {n for n, _ in self.model.named_buffers() if n in state_dict}
@@ -521,28 +529,7 @@ class FSDPBackend(StepTail):
         missing = keep - set(tensors)
         if missing:
             raise RuntimeError(f"full state dict lacks {sorted(missing)[:5]}")
-
-        shards: list[dict[str, Tensor]] = [{}]
-        size = 0
-        for k, v in tensors.items():
-            nbytes = v.numel() * v.element_size()
-            if shards[-1] and size + nbytes > HF_MAX_SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][k] = v
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-            return
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
+        write_hf_dir(out, self.args.hf_checkpoint, self.hf_config, checkpoint_names(self.model, tensors))
 
     def close(self) -> None:
         if self._owns_process_group and dist.is_initialized():

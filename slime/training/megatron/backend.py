@@ -33,7 +33,6 @@ import datetime
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -41,7 +40,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from safetensors.torch import save_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,11 +53,13 @@ from slime.utils.checkpoint_data import load_tensors_file
 from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
+from slime.utils.hf_export import write_hf_dir
+from slime.training.freeze import freeze_parameters
+from slime.training.moe import TrainRouting
 from slime.utils.net import node_address
 
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
 def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
@@ -125,6 +125,9 @@ class MegatronBackend(StepTail):
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         hf_state = self._hf_state(args.hf_checkpoint)
         self.model = self._build(hf_state, recompute=True)
+        if args.freeze_params_name_list:  # megatron-core's parameter names; these never train
+            freeze_parameters(self.model, args.freeze_params_name_list)
+        self.routing = TrainRouting(self.model)  # dense megatron-core models: no routers, no MoE metrics
         self.ref_model = None
         if with_ref:  # --ref-load: another checkpoint of the same vocabulary (checked at parse time)
             self.ref_model = self._build(self._hf_state(args.ref_load) if args.ref_load else hf_state, recompute=False)
@@ -137,7 +140,8 @@ class MegatronBackend(StepTail):
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
         self.lr_schedule = LRSchedule.from_args(args, args.lr)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr_schedule.lr,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=self.lr_schedule.lr,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                            weight_decay=args.weight_decay)
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
@@ -411,13 +415,8 @@ class MegatronBackend(StepTail):
             dist.barrier()
 
     def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        for f in Path(self.args.hf_checkpoint).iterdir():
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-                shutil.copy2(f, out / f.name)
-        self.hf_config.save_pretrained(out)
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_hf_dir(out, self.args.hf_checkpoint, self.hf_config,
+                     {k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
     def close(self) -> None:
         if self._owns_mp and ps.model_parallel_is_initialized():

@@ -72,7 +72,7 @@ def test_moe_layer_freq_is_an_int_or_a_safe_list_expression():
 
 @pytest.mark.parametrize("flags, message", [
     (["--attention-dropout", 0.1], r"^--attention-dropout 0.1: slime trains without dropout"),
-    (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang: a served teacher needs extra served models"),
+    (["--use-opd", "--opd-type", "sglang"], "--opd-teacher-model teacher: --opd-type sglang needs a frozen served model"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3: fp8 training needs Transformer Engine"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: Transformer Engine is not"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm: applies to mixture-of-experts models only"),

@@ -195,3 +195,42 @@ def test_bad_combinations_with_flags(tiny_model_dir, teacher_dir, tmp_path):
     with pytest.raises(SlimeConfigError, match=r"--sglang-config serves models, which --debug-train-only"):
         make_args(tiny_model_dir, tmp_path, "--sglang-config", cfg, "--debug-train-only",
                   "--load-debug-rollout-data", str(tmp_path / "x.pt"))
+
+
+def test_pool_sends_routed_expert_requests_to_the_engines_itself():
+    """sglang-router 0.3.x drops request fields it does not know, return_routed_experts among them:
+    with --use-rollout-routing-replay the pool asks an admitted engine directly (the least busy)."""
+    import asyncio
+
+    from slime.engines.fleet import EnginePool
+
+    pool = EnginePool(["http://127.0.0.1:1", "http://127.0.0.1:2"], timeout=5, router_url="http://127.0.0.1:3",
+                      routed_experts=True)
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        async def generate(self, payload):
+            calls.append((self.name, payload.get("return_routed_experts")))
+            await asyncio.sleep(0.01)
+            return {"by": self.name}
+
+        async def close(self):
+            pass
+
+    pool.router = Fake("router")
+    pool.engines = {u: Fake(u[-1]) for u in pool.urls}
+
+    async def main():
+        both = await asyncio.gather(pool.generate({"input_ids": [1]}), pool.generate({"input_ids": [2]}))
+        pool.mark_down("http://127.0.0.1:1")
+        third = await pool.generate({"input_ids": [3]})
+        plain = await pool.generate({"input_ids": [4], "return_routed_experts": False})
+        return both, third, plain
+
+    both, third, plain = asyncio.run(main())
+    assert sorted(r["by"] for r in both) == ["1", "2"]  # in flight at once: one each
+    assert third["by"] == "2" and plain["by"] == "router"  # engine 1 is down; no routing asked: the router
+    assert calls[-1] == ("router", False) and all(flag for name, flag in calls[:-1])

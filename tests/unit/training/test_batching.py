@@ -106,7 +106,7 @@ def test_packed_critic_values_equal_padded(tiny_model_dir, tmp_path):
 
 
 def test_token_budget_micro_batches_respect_budget():
-    from slime.training.actor import token_budget_micro_batches
+    from slime.training.micro_batches import token_budget_micro_batches
 
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
@@ -244,7 +244,7 @@ def test_two_ranks_balanced_dynamic_match_one_rank(tiny_model_dir, tmp_path, ray
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert_states_close(sd2, sd1, atol=1e-5)
     # the second rollout really had unequal local micro-batch counts before equalizing
-    from slime.training.actor import token_budget_micro_batches
+    from slime.training.micro_batches import token_budget_micro_batches
 
     parts = b1.split_for_ranks(2, 4)
     counts = [len(token_budget_micro_batches([len(p.tokens[i]) for i in (0, 1)], budget)) for p in parts]

@@ -1,0 +1,76 @@
+"""Mixture-of-experts training flags (slime's names) and their start-up checks (docs/moe.md).
+
+- `--use-rollout-routing-replay` (R3): every `/generate` asks the engine for the experts each token
+  was routed to (SGLang's `return_routed_experts`; the native engine and SGLang serve it, vLLM does
+  not), the sample keeps them, and the trainer's policy forwards use exactly those experts.
+- `--use-routing-replay` (R2): the trainer's old-policy forward records its routing and the policy
+  forwards of the same rollout replay it.
+- `--moe-aux-loss-coeff C` (Megatron's name, in slime.script_flags): C x the routers' load-balancing
+  loss joins the policy loss (FSDP backend).
+
+`validate_moe(args)` runs at parse time: each of them needs a mixture-of-experts `--hf-checkpoint`
+(its config.json names a number of experts) and the fsdp backend; one line for each bad combination.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slime.engines.kinds import KINDS, engine_kind
+from slime.utils.errors import SlimeConfigError
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def add_moe_flags(p) -> None:
+    g = p.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="R3: the engines return the experts each token was routed to and the trainer's policy "
+                        "forwards use exactly those (native engine or SGLang)")
+    g.add_argument("--use-routing-replay", action="store_true",
+                   help="R2: the trainer's old-policy forward records its routing and the policy forwards of the "
+                        "rollout replay it")
+
+
+def is_moe_checkpoint(path: str) -> bool:
+    """Whether the Hugging Face config at `path` declares routed experts."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    config = {**config, **(config.get("text_config") or {})}
+    return any(int(config.get(k) or 0) > 1 for k in EXPERT_COUNT_KEYS)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise SlimeConfigError(message)
+
+
+def validate_moe(args) -> None:
+    given = [f for f, on in (("--use-rollout-routing-replay", args.use_rollout_routing_replay),
+                             ("--use-routing-replay", args.use_routing_replay),
+                             (f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}", bool(args.moe_aux_loss_coeff)))
+             if on]
+    if not given:
+        return
+    _require(is_moe_checkpoint(args.hf_checkpoint),
+             f"{given[0]} needs a mixture-of-experts model; --hf-checkpoint {args.hf_checkpoint} declares no "
+             f"experts ({', '.join(EXPERT_COUNT_KEYS)} in config.json)")
+    _require(args.train_backend == "fsdp",
+             f"{given[0]}: mixture-of-experts training is built for --train-backend fsdp (the megatron backend "
+             "builds dense models)")
+    _require(not (args.use_rollout_routing_replay and args.use_routing_replay),
+             "--use-rollout-routing-replay and --use-routing-replay both decide the trainer's experts; give one")
+    _require(args.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")
+    _require(args.recompute_granularity is None or not (args.use_rollout_routing_replay or args.use_routing_replay),
+             f"{given[0]} with --recompute-granularity full: the recomputed layers would route again in "
+             "backward; routing replay under activation recompute is not built")
+    if args.use_rollout_routing_replay:
+        able = [k.name for k in KINDS.values() if k.returns_routed_experts]
+        _require(engine_kind(args).returns_routed_experts,
+                 f"--use-rollout-routing-replay: --rollout-backend {args.rollout_backend} does not return the "
+                 f"routed experts; use {' or '.join(able)}")
+        _require(args.loss_type != "sft_loss", "--use-rollout-routing-replay needs rollouts; --loss-type sft_loss "
+                                               "has none")
