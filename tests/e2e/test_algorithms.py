@@ -121,3 +121,29 @@ def test_sft_then_grpo_from_the_sft_checkpoint(tiny, tmp_path):
     rewards = [r["rollout/raw_reward"] for r in train if "rollout/raw_reward" in r]
     print(f"grpo after sft: rewards={[round(x, 3) for x in rewards]}")
     assert len(rewards) == 3 and rewards[0] >= 0.25, rewards
+
+
+def test_masked_tis_and_frozen_parameters(task, tmp_path):
+    """--tis-mode mask drops the tokens whose engine/trainer ratio leaves the band (a bf16 engine
+    against the fp32 trainer: some always do), and --freeze-params-name-list keeps the matching
+    parameters exactly as loaded while the others train."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers.e2e import shape_cmd
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    r = run(shape_cmd(task, out, "--use-tis", "--tis-mode", "mask", "--tis-clip", "1.0005", "--tis-clip-low", "0.9995",
+                      "--sglang-dtype", "bfloat16", "--freeze-params-name-list", r"layers\.1\.", "--save", str(ckpt)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [x for x in records(out) if "train/tis_masked" in x]
+    assert len(recs) == 3 and all(0 < x["train/tis_masked"] < 1 for x in recs), [x.get("train/tis_masked") for x in recs]
+    start = load_file(str(Path(task["model"]) / "model.safetensors"))
+    (saved,) = glob.glob(str(ckpt / "*" / "hf" / "model.safetensors"))
+    end = load_file(saved)
+    frozen = [k for k in start if ".layers.1." in k]
+    trained = [k for k in start if ".layers.0." in k and k.endswith("proj.weight")]
+    assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
+    assert trained and all(not torch.equal(start[k], end[k]) for k in trained)
