@@ -163,7 +163,8 @@ def test_more_train_nodes_than_the_cluster_has_is_one_line(cluster, task, tmp_pa
            "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
            "python", "train.py", "--actor-num-nodes", "3", "--actor-num-gpus-per-node", "1", "--colocate",
            "--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--global-batch-size", "12", "--num-rollout", "1",
-           "--prompt-data", task["train"], "--input-key", "prompt", "--hf-checkpoint", task["model"],
+           "--prompt-data", task["train"], "--input-key", "prompt", "--apply-chat-template",
+           "--hf-checkpoint", task["model"],
            "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=cluster["env"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
