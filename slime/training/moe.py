@@ -2,14 +2,14 @@
 usage per layer, and routing replay in the policy's forwards (slime.utils.moe_routing holds the hook).
 
 `TrainRouting(model, aux_coef)` lives in a train backend. Around each policy forward of a micro-batch
-`with routing.forward(mb, layout) as rec:` does what the run asks:
+`with routing.forward(mb.routed_experts, *backend.routing_layout(mb)) as rec:` does what the run asks:
 - replay: the micro-batch carries routed experts per sample (`mb.routed_experts`: Tensor[T_i - 1, L, K]
   for a sample of T_i tokens: the engine's with --use-rollout-routing-replay, the old-policy
   forward's with --use-routing-replay); they are laid out like the forward's tokens (`replay_rows`)
   and forced on every MoE layer. Positions with nothing recorded (padding, each sample's last
   token, whose output scores nothing) keep the router's own choice;
-- record: what the routers chose (or were made to use), for the load-balancing loss (`aux_loss`),
-  the usage metrics and R2's recording (`per_sample`).
+- record: what the routers chose (or were made to use), for the load-balancing loss and the usage
+  metrics of a training forward (`training_forward`) and R2's recording (`recorded_per_sample`).
 """
 
 from __future__ import annotations
