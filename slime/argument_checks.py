@@ -24,6 +24,7 @@ from slime.opd_flags import served_teacher
 from slime.utils import checkpoint_files
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
+from slime.utils.pipeline_layout import PipelineLayout
 from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, is_builtin, reward_name
 
 if TYPE_CHECKING:
@@ -369,8 +370,6 @@ def validate_megatron(args: Args) -> None:
     require(args.dp_size % (tp * pp * cp) == 0,
             f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = {tp * pp * cp}) must divide the "
             f"{args.dp_size} train ranks (--actor-num-nodes x --actor-num-gpus-per-node)")
-    require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
-                     "(it needs megatron's pipeline schedules with a per-stage loss); use tensor and data parallelism")
     require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
                      "megatron-core's local attention has no context-parallel path")
     require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -511,6 +510,11 @@ def validate_script_flags(args: Args) -> None:
     errors = model_flags.architecture_mismatches(args, text) + errors
     if args.train_backend == "fsdp":
         errors += _fsdp_parallel_sizes(args, text)
+    elif args.pipeline_model_parallel_size > 1:
+        try:
+            PipelineLayout.from_args(args, text.num_hidden_layers).check(text.num_hidden_layers)
+        except SlimeConfigError as e:
+            errors.append(str(e))
     limit = getattr(text, "max_position_embeddings", None)
     if args.rollout_max_context_len is not None:
         if args.rollout_max_context_len < 1:

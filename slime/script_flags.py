@@ -112,6 +112,10 @@ FLAGS: tuple[ScriptFlag, ...] = (
     ScriptFlag("--expert-tensor-parallel-size", dict(type=int, default=None),
                lambda a, v, moe: None if v in (1, a.tensor_model_parallel_size) else
                "expert tensor parallelism different from --tensor-model-parallel-size is not built"),
+    ScriptFlag("--virtual-pipeline-model-parallel-size", dict(type=int, default=None),
+               _needs(lambda a: a.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1")),
+    ScriptFlag("--num-layers-per-virtual-pipeline-stage", dict(type=int, default=None),
+               _needs(lambda a: a.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1")),
     ScriptFlag("--decoder-first-pipeline-num-layers", dict(type=int, default=None),
                _needs(lambda a: a.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1")),
     ScriptFlag("--decoder-last-pipeline-num-layers", dict(type=int, default=None),

@@ -43,14 +43,28 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
 from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.training.megatron import shims
-from slime.training.megatron.model import build_model
+from slime.training.megatron.model import PipelineLayout, build_model
+from slime.training.megatron.pipeline import (
+    Pipeline,
+    batch_inputs,
+    gather_group_micro_batches,
+    gather_stages,
+    response_scores,
+)
 from slime.utils.checkpoint_data import load_tensors_file
-from slime.training.megatron.weights import full_mcore_state, load_hf_into, partition_dim, to_hf, unshard
+from slime.training.megatron.weights import (
+    full_mcore_state,
+    global_names,
+    is_tied_duplicate,
+    load_hf_into,
+    partition_dim,
+    to_hf,
+    unshard,
+)
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import write_hf_dir
@@ -67,9 +81,6 @@ def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
     if world_size % (tp * pp * cp):
         raise SlimeConfigError(f"tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp}) must divide the "
                                f"{world_size} train ranks")
-    if pp > 1:
-        raise SlimeConfigError("--pipeline-model-parallel-size > 1 is not supported by slime's megatron backend yet "
-                               "(it needs megatron's pipeline schedules with per-stage loss; use TP and DP)")
     if cp > 1:
         raise SlimeConfigError("--context-parallel-size > 1 needs Transformer Engine's attention on GPUs "
                                "(megatron-core's local attention has no context-parallel path)")
@@ -95,7 +106,7 @@ class MegatronBackend(StepTail):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.tp, _, _ = _check_parallel(args, world_size)
+        self.tp, self.pp, _ = _check_parallel(args, world_size)
         if args.recompute_granularity and self.device.type != "cuda":
             raise SlimeConfigError(f"--recompute-granularity {args.recompute_granularity} with --train-backend megatron "
                                    "needs CUDA (megatron-core's recompute saves and restores the CUDA RNG states); on "
@@ -113,16 +124,22 @@ class MegatronBackend(StepTail):
             self._owns_process_group = True
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.layout = PipelineLayout.from_args(args, self.hf_config.num_hidden_layers)
+        self.layout.check(self.hf_config.num_hidden_layers)
         self._owns_mp = not ps.model_parallel_is_initialized()
         if self._owns_mp:
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                                         virtual_pipeline_model_parallel_size=self.layout.vp
+                                         if self.layout.vp > 1 else None)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.mp_group = ps.get_model_parallel_group()  # TP x PP: one pipeline over the group's samples
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
         shims.use_cpu_rng_tracker()
 
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         hf_state = self._hf_state(args.hf_checkpoint)
         self.model = self._build(hf_state, recompute=True)
         if args.freeze_params_name_list:  # megatron-core's parameter names; these never train
@@ -139,6 +156,7 @@ class MegatronBackend(StepTail):
             self.teacher_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
+        self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature) if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.lr)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=self.lr_schedule.lr,
@@ -162,15 +180,24 @@ class MegatronBackend(StepTail):
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
     def _build(self, hf_state, recompute: bool):
-        """A model with the checkpoint's weights; `recompute`: with --recompute-* (the trained policy)."""
+        """This rank's model chunk(s) with the checkpoint's weights (a ModuleList of the chunks with
+        virtual pipeline stages); `recompute`: with --recompute-* (the trained policy)."""
         args = self.args
-        with shims.cpu_only_cuda_shims():
-            model = build_model(self.hf_config, tp=self.tp, sequence_parallel=args.sequence_parallel,
-                                vocab_divisible_by=args.make_vocab_size_divisible_by,
-                                recompute=(args.recompute_granularity, args.recompute_method, args.recompute_num_layers)
-                                if recompute else (None, None, None))
-        load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
-        return model.to(self.device)
+        chunks = []
+        for vp_stage in range(self.layout.vp):
+            with shims.cpu_only_cuda_shims():
+                model = build_model(self.hf_config, tp=self.tp, sequence_parallel=args.sequence_parallel,
+                                    vocab_divisible_by=args.make_vocab_size_divisible_by,
+                                    recompute=(args.recompute_granularity, args.recompute_method,
+                                               args.recompute_num_layers) if recompute else (None, None, None),
+                                    layout=self.layout, vp_stage=vp_stage)
+            load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
+            chunks.append(model.to(self.device))
+        return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+
+    @staticmethod
+    def _chunks(model) -> list:
+        return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
 
     # ------------------------------------------------------------ forward
 
@@ -187,42 +214,14 @@ class MegatronBackend(StepTail):
         return all_tokens, all_lengths, start, start + len(tokens)
 
     def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool):
-        """Per-sample log-probs (and entropy) of the response tokens: lists of Tensor[r_i]."""
+        """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i]."""
         if not tokens:
             return [], []
-        lens = [len(t) for t in tokens]
-        prompt_lens = [n - r for n, r in zip(lens, lengths)]
-        for i, (p, r) in enumerate(zip(prompt_lens, lengths)):
-            if p < 1 or r < 0:
-                raise ValueError(f"sample {i} of the micro-batch: {lens[i]} tokens, response length {r} "
-                                 "(a response needs at least one prompt token before it)")
-        b, t = len(lens), max(lens)
-        # right padding under a causal mask: no real token attends to a pad, so no padding mask
-        ids = torch.zeros((b, t), dtype=torch.long)
-        for i, toks in enumerate(tokens):
-            ids[i, : lens[i]] = torch.as_tensor(toks, dtype=torch.long)
-        ids = ids.to(self.device)
-        pos = torch.arange(t, device=self.device).unsqueeze(0).expand(b, t)
+        ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device)
         with shims.cpu_only_cuda_shims():
-            logits = model(ids, pos, attention_mask=shims.causal_mask(t, self.device))  # [b, t, V_padded]
-        logits = logits[..., : self.vocab_size]
-        lps, ents = [], []
-        for i in range(b):
-            p, r = prompt_lens[i], lengths[i]
-            lg, tgt = logits[i, p - 1 : p - 1 + r], ids[i, p : p + r]
-            if with_entropy and entropy_grad:
-                lp, ent = compute_log_probs_and_entropy(lg, tgt, self.temperature)
-            else:
-                lp = compute_log_probs(lg, tgt, self.temperature)
-                ent = None
-                if with_entropy:
-                    with torch.no_grad():
-                        ent = compute_entropy(lg.detach(), self.temperature)
-            if r == 0 and torch.is_grad_enabled():
-                lp = lp + 0.0 * logits[i].sum()  # keep the graph (and its TP collectives) connected
-            lps.append(lp)
-            ents.append(ent)
-        return lps, ents
+            logits = model(ids, pos, attention_mask=mask)  # [b, t, V_padded]
+        return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lengths, self.temperature,
+                               with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def forward_logprobs(self, mb: MicroBatch, *, grad: bool = False, with_entropy: bool = False,
                          entropy_grad: bool = False, ref: bool = False,
@@ -233,9 +232,11 @@ class MegatronBackend(StepTail):
         if model is None:
             raise RuntimeError(f"no {'teacher' if teacher else 'reference'} model was built")
         ref = ref or teacher  # frozen: never with gradient
-        if grad and self.tp > 1 and not ref:
-            raise RuntimeError("with tensor parallelism, gradients go through train_step (the TP group's "
+        if grad and self.tp * self.pp > 1 and not ref:
+            raise RuntimeError("with tensor or pipeline parallelism, gradients go through train_step (the group's "
                                "losses are combined there)")
+        if self.pp > 1:
+            return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
         with torch.set_grad_enabled(grad and not ref):
             lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
@@ -244,16 +245,25 @@ class MegatronBackend(StepTail):
         ent = (torch.cat(ents[s:e]) if e > s else torch.zeros(0, device=self.device)) if with_entropy else None
         return lp, ent
 
+    def _pipeline_logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        tokens, lengths, s, e = gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
+                                                           self.mp_group)
+        if not tokens:
+            return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device) if with_entropy else None
+        [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
+        a, b = sum(lengths[:s]), sum(lengths[:e])
+        return lp[a:b], ent[a:b] if with_entropy else None
+
     def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
         raise RuntimeError("--train-backend megatron has no value head (PPO critic); use --train-backend fsdp")
 
     # ------------------------------------------------------------ training
 
-    def _tp_max(self, n: int) -> int:
-        if self.tp == 1:
+    def _group_max(self, n: int, group) -> int:
+        if dist.get_world_size(group) == 1:
             return n
         t = torch.tensor([n], dtype=torch.long, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return int(t[0])
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
@@ -262,7 +272,10 @@ class MegatronBackend(StepTail):
         loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) as for FSDPBackend.
         returns the total gradient norm before clipping (identical on every rank)."""
         n_local = len(micro_batches)
-        for k in range(self._tp_max(n_local)):
+        if self.pp > 1:
+            self._pipeline_backward(micro_batches, loss_fn, entropy_grad)
+            return self._finish_step()
+        for k in range(self._group_max(n_local, self.tp_group)):
             mb = micro_batches[k] if k < n_local else MicroBatch([], [])
             if self.tp == 1:
                 if not mb.tokens:
@@ -280,14 +293,21 @@ class MegatronBackend(StepTail):
         lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
         if not lps:
             return
-        lp_all = torch.cat(lps)
-        ent_all = torch.cat(ents)
-        off = [0]
-        for r in lengths:
-            off.append(off[-1] + r)
-        a, b = off[s], off[e]
+        lp_all, ent_all = torch.cat(lps), torch.cat(ents)
+        g_lp, g_ent = self._upstream(k, lp_all, ent_all, lengths, s, e, loss_fn, entropy_grad, own, self.tp_group)
+        outputs, upstream = [lp_all], [g_lp.to(lp_all.dtype)]
+        if entropy_grad:
+            outputs.append(ent_all)
+            upstream.append(g_ent.to(ent_all.dtype))
+        torch.autograd.backward(outputs, upstream)
+
+    def _upstream(self, k, lp_all, ent_all, lengths, s, e, loss_fn, entropy_grad: bool, own: bool,
+                  group) -> tuple[Tensor, Tensor | None]:
+        """d loss / d log-probs (and entropy) of a group micro-batch: this rank's loss on its own slice
+        [s, e) of the samples, summed over the group (disjoint slices)."""
+        a, b = sum(lengths[:s]), sum(lengths[:e])
         g_lp = torch.zeros_like(lp_all, dtype=torch.float32)
-        g_ent = torch.zeros_like(ent_all, dtype=torch.float32)
+        g_ent = torch.zeros_like(ent_all, dtype=torch.float32) if entropy_grad else None
         if own:
             lp_own = lp_all[a:b].detach().requires_grad_(True)
             ent_own = ent_all[a:b].detach().requires_grad_(entropy_grad)
@@ -298,13 +318,31 @@ class MegatronBackend(StepTail):
                 g_lp[a:b] = grads[0]
             if entropy_grad and grads[1] is not None:
                 g_ent[a:b] = grads[1]
-        dist.all_reduce(g_lp, group=self.tp_group)
-        outputs, upstream = [lp_all], [g_lp.to(lp_all.dtype)]
+        dist.all_reduce(g_lp, group=group)
         if entropy_grad:
-            dist.all_reduce(g_ent, group=self.tp_group)
-            outputs.append(ent_all)
-            upstream.append(g_ent.to(ent_all.dtype))
-        torch.autograd.backward(outputs, upstream)
+            dist.all_reduce(g_ent, group=group)
+        return g_lp, g_ent
+
+    def _pipeline_backward(self, micro_batches, loss_fn, entropy_grad: bool) -> None:
+        """Pipeline parallelism: every micro-batch of the group forward once to get the upstream
+        gradients, then megatron's forward-backward schedule (pipeline.py says why two passes)."""
+        n_local = len(micro_batches)
+        gathered = []
+        for k in range(self._group_max(n_local, self.mp_group)):
+            mb = micro_batches[k] if k < n_local else MicroBatch([], [])
+            gathered.append(gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
+                                                       self.mp_group))
+        batches = [(tokens, lengths) for tokens, lengths, _, _ in gathered]
+        if not batches:
+            return
+        scores = self.pipeline.forward(self.chunks, batches, with_entropy=True)
+        upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
+                    for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
+        self.pipeline.backward(self.chunks, batches, upstream)
+
+    @property
+    def chunks(self) -> list:
+        return self._chunks(self.model)
 
     def _finish_step(self) -> float:
         named = list(self.model.named_parameters())
@@ -312,6 +350,9 @@ class MegatronBackend(StepTail):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        tied = self._tied_weight()
+        if tied is not None:  # the first stage's embedding and the last stage's copy train as one weight
+            dist.all_reduce(tied.grad, group=ps.get_embedding_group())
         if self.tp > 1:
             # q/k norms are replicated but each TP rank applies them to its own heads only: their
             # gradients are partial sums over the group (megatron's finalize_model_grads does the same)
@@ -325,11 +366,12 @@ class MegatronBackend(StepTail):
             p.grad.div_(self.world_size)
         # global norm: TP shards summed over the group, replicated parameters once
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.float().pow(2).sum()
-        if self.tp > 1:
-            dist.all_reduce(sq, group=self.tp_group)
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
+                    sq += p.grad.float().pow(2).sum()
+        if self.tp * self.pp > 1:
+            dist.all_reduce(sq, group=self.mp_group)
         grad_norm = float(sq.sqrt())
         if math.isfinite(grad_norm):
             coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
@@ -338,6 +380,15 @@ class MegatronBackend(StepTail):
                     p.grad.mul_(coef)
         return self._step_if_finite(grad_norm)
 
+    def _tied_weight(self) -> Tensor | None:
+        """This rank's copy of a tied embedding shared between the first and the last pipeline stage."""
+        if self.pp == 1 or not ps.is_rank_in_embedding_group(ignore_virtual=True):
+            return None
+        chunk = self.chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else self.chunks[-1]
+        if not chunk.share_embeddings_and_output_weights:
+            return None
+        return chunk.shared_embedding_or_output_weight()
+
     # ------------------------------------------------------------ weights
 
     def _gather(self, t: Tensor) -> list[Tensor]:
@@ -345,8 +396,15 @@ class MegatronBackend(StepTail):
         dist.all_gather(parts, t.contiguous(), group=self.tp_group)
         return parts
 
+    def _mcore_full(self) -> dict[str, Tensor]:
+        """{whole-model megatron name: full tensor}, every stage's layers, on every rank. Collective."""
+        state = {}
+        for chunk in self.chunks:
+            state.update(full_mcore_state(chunk, self._gather))
+        return gather_stages(state, self.device) if self.pp > 1 else state
+
     def _hf_full(self) -> dict[str, Tensor]:
-        return to_hf(full_mcore_state(self.model, self._gather), self.hf_config)
+        return to_hf(self._mcore_full(), self.hf_config)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) for every HF parameter, a tied head once (as the embedding).
@@ -361,19 +419,23 @@ class MegatronBackend(StepTail):
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         osd = None
         if optimizer:
-            state = {}
-            for name, p in self.model.named_parameters():
-                st, dim = self.optimizer.state.get(p, {}), partition_dim(p)
-                entry = {}
-                for key in ("step", "exp_avg", "exp_avg_sq"):
-                    if key not in st:
-                        continue
-                    v = st[key]
-                    if key != "step" and dim is not None:
-                        v = unshard(name, self._gather(v), dim)
-                    entry[key] = v.detach().cpu().clone()
-                if entry:
-                    state[name] = entry
+            flat = {}  # "name/key": full tensor, then every stage's
+            for chunk in self.chunks:
+                names = global_names(chunk)
+                for name, p in chunk.named_parameters():
+                    st, dim = self.optimizer.state.get(p, {}), partition_dim(p)
+                    for key in ("step", "exp_avg", "exp_avg_sq"):
+                        if key in st and not is_tied_duplicate(chunk, name):
+                            v = st[key]
+                            if key != "step" and dim is not None:
+                                v = unshard(name, self._gather(v), dim)
+                            flat[f"{names[name]}/{key}"] = v.detach()
+            if self.pp > 1:
+                flat = gather_stages(flat, self.device)
+            state: dict = {}
+            for k, v in flat.items():
+                name, key = k.rsplit("/", 1)
+                state.setdefault(name, {})[key] = v.cpu().clone()
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             osd = {"state": state, "param_groups": groups}
         if self.rank != 0:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from slime.training.megatron import convert as mc
+from slime.utils.pipeline_layout import PipelineLayout
 from slime.utils.errors import SlimeConfigError
 
 
@@ -40,34 +42,41 @@ def check_parallel_config(config, tp: int) -> None:
             raise SlimeConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {what} ({n})")
 
 
-def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32, vocab_divisible_by: int = 128,
-                recompute: tuple[str | None, str | None, int | None] = (None, None, None)):
-    """A GPTModel for one tensor-parallel rank (pre- and post-process: no pipeline split).
+def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32,
+                vocab_divisible_by: int = 128,
+                recompute: tuple[str | None, str | None, int | None] = (None, None, None), layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None):
+    """A GPTModel for one tensor-parallel rank and one pipeline model chunk (`vp_stage` of this
+    rank's pipeline stage; the whole model with PP 1). Embedding on the first stage, output
+    layer on the last (megatron's parallel_state must be initialized with the same layout).
     `recompute`: megatron's (recompute_granularity, recompute_method, recompute_num_layers);
     `vocab_divisible_by`: --make-vocab-size-divisible-by (the vocabulary is padded to a multiple of it x TP).
 
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
-    differentiable all-gather), so every TP rank sees full [b, s, V_padded] logits.
+    differentiable all-gather), so every TP rank of the last stage sees full [b, s, V_padded] logits.
     """
     check_parallel_config(config, tp)
+    layout.check(config.num_hidden_layers)
     theta, _ = mc._rope(config)
     granularity, method, num_layers = recompute
     tconf = dataclasses.replace(mc.transformer_config(config, dtype), tensor_model_parallel_size=tp,
                                 sequence_parallel=sequence_parallel, recompute_granularity=granularity,
                                 recompute_method=method if granularity == "full" else None,
-                                recompute_num_layers=num_layers if granularity == "full" else None)
+                                recompute_num_layers=num_layers if granularity == "full" else None,
+                                **layout.config_fields(dtype))
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(config))
+    vp = vp_stage if layout.vp > 1 else None
     model = GPTModel(
         config=tconf,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab(config, tp, vocab_divisible_by),
         max_sequence_length=config.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
         parallel_output=False,
         share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=theta,
+        vp_stage=vp,
     )
     _mark_tensor_parallel(model)
     model.to(dtype)

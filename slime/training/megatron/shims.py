@@ -13,6 +13,12 @@ torch build. On a machine with CUDA none of these shims does anything.
        `torch.cuda.current_device()` (save_state_dict_async_finalize).
    With no CUDA device there is nothing to synchronize and the tensors belong on the CPU,
    so those calls mean exactly that. Scoped: restored on exit.
+   Under pipeline parallelism two more spots name CUDA, handled the same way in the same scope:
+     * the pipeline schedules count tokens in `torch.zeros([], device="cuda")`
+       (pipeline_parallel/schedules.py): `torch.zeros` with device "cuda" -> the CPU;
+     * a tied output layer on the last stage is copied from the first stage's embedding with
+       `weight.data.cuda()` then an all-reduce (LanguageModule.setup_embeddings_and_output_layer):
+       `Tensor.cuda()` -> the tensor itself.
 2. The CUDA RNG tracker: attention dropout and the tensor-parallel layers enter
    `get_cuda_rng_tracker().fork()`, which saves and restores the CUDA RNG state.
    `use_cpu_rng_tracker()` initializes megatron's own inference tracker (a `fork` that is a
@@ -42,13 +48,20 @@ def cpu_only_cuda_shims():
     if torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.synchronize, torch.cuda.current_device
+    saved = torch.cuda.synchronize, torch.cuda.current_device, torch.zeros, torch.Tensor.cuda
+    zeros = torch.zeros
+
+    def zeros_on_cpu(*size, device=None, **kwargs):
+        return zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.current_device = lambda: "cpu"
+    torch.zeros = zeros_on_cpu
+    torch.Tensor.cuda = lambda self, *a, **k: self
     try:
         yield
     finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
+        torch.cuda.synchronize, torch.cuda.current_device, torch.zeros, torch.Tensor.cuda = saved
 
 
 def use_cpu_rng_tracker() -> None:

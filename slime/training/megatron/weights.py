@@ -15,10 +15,16 @@ shards and joins the shards back, following each parameter's own megatron attrib
     of [gate; up];
   * row-parallel (partition_dim 1): linear_proj, linear_fc2: column blocks;
   * everything else (norms) is replicated.
+
+Under pipeline parallelism a model chunk holds some decoder layers, numbered from 0 locally:
+`global_names` maps them to the whole model's numbering (each layer's `layer_number`), so
+loading and exporting work per chunk with the full model's names. A tied output layer on the
+last stage is megatron's duplicate of the first stage's embedding: loaded from it, never exported.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -26,6 +32,24 @@ from torch import Tensor
 
 from slime.training.megatron import convert as mc
 from slime.utils.errors import SlimeError
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def global_names(model) -> dict[str, str]:
+    """This model chunk's parameter names -> the whole model's megatron names."""
+    out = {}
+    for name, _ in model.named_parameters():
+        m = _LAYER.fullmatch(name)
+        out[name] = f"decoder.layers.{model.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}" if m \
+            else name
+    return out
+
+
+def is_tied_duplicate(model, name: str) -> bool:
+    """The last pipeline stage's copy of a tied embedding (megatron keeps one for the output layer)."""
+    return name == "output_layer.weight" and model.share_embeddings_and_output_weights and not model.pre_process
 
 
 def _is_fc1(name: str) -> bool:
@@ -60,31 +84,37 @@ def unshard(name: str, shards: list[Tensor], dim: int | None) -> Tensor:
 
 
 def load_hf_into(model, hf_state: dict[str, Tensor], config, tp: int, tp_rank: int) -> None:
-    """Copy a HF state dict into this TP rank's GPTModel; every parameter must be covered."""
+    """Copy a HF state dict into this TP rank's GPTModel chunk; every parameter must be covered
+    (and, for a whole model, every tensor of the checkpoint used)."""
     params = dict(model.named_parameters())
-    vocab_rows = params["embedding.word_embeddings.weight"].shape[0] * tp
-    full = mc.hf_to_mcore(hf_state, config, vocab_rows=vocab_rows)
-    missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params))
+    names = global_names(model)
+    full = mc.hf_to_mcore(hf_state, config, vocab_rows=model.vocab_size)
+    if "output_layer.weight" in params and is_tied_duplicate(model, "output_layer.weight"):
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    missing = sorted(n for n in params if names[n] not in full)
+    unexpected = sorted(set(full) - set(params)) if model.pre_process and model.post_process else []
     if missing or unexpected:
         raise SlimeError(f"weights do not match the megatron model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
     with torch.no_grad():
         for name, p in params.items():
-            t = shard(name, full[name], partition_dim(p), tp, tp_rank)
+            t = shard(name, full[names[name]], partition_dim(p), tp, tp_rank)
             if t.shape != p.shape:
                 raise SlimeError(f"{name}: shard {tuple(t.shape)} != parameter {tuple(p.shape)}")
             p.copy_(t.to(p.dtype))
 
 
 def full_mcore_state(model, gather: Callable[[Tensor], list[Tensor]]) -> dict[str, Tensor]:
-    """{megatron name: full tensor} of the model's parameters; `gather(t)` returns every TP rank's
-    copy of t (rank order). Collective over the TP group; tied output weights appear once."""
+    """{whole-model megatron name: full tensor} of this chunk's parameters; `gather(t)` returns every
+    TP rank's copy of t (rank order). Collective over the TP group; tied output weights appear once."""
     out = {}
+    names = global_names(model)
     for name, p in model.named_parameters():
+        if is_tied_duplicate(model, name):
+            continue
         dim = partition_dim(p)
         t = p.detach()
-        out[name] = unshard(name, gather(t) if dim is not None else [t], dim)
+        out[names[name]] = unshard(name, gather(t) if dim is not None else [t], dim)
     return out
 
 

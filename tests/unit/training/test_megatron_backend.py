@@ -67,8 +67,13 @@ def _gqa_model(tiny_model_dir, out, kind):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
-     "--pipeline-model-parallel-size > 1 is not supported"),
+    (["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2, "--decoder-first-pipeline-num-layers", 3],
+     r"cannot split the model's 2 layers over --pipeline-model-parallel-size 2 \(first stage 3, last stage 0"),
+    (["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2, "--virtual-pipeline-model-parallel-size", 2],
+     r"cannot split the model's 2 layers over --pipeline-model-parallel-size 2 x 2 virtual stages: the layers of"),
+    (["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2,
+      "--num-layers-per-virtual-pipeline-stage", 3], "--num-layers-per-virtual-pipeline-stage 3 x"),
+    (["--virtual-pipeline-model-parallel-size", 2], "--virtual-pipeline-model-parallel-size 2: needs --pipeline-model"),
     (["--context-parallel-size", 2, "--actor-num-gpus-per-node", 2], "--context-parallel-size > 1 needs Transformer"),
     (["--tensor-model-parallel-size", 2], r"\(2 x 1 x 1 = 2\) must divide the 1 train ranks"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
@@ -180,3 +185,79 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
             assert m[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), (name, k)
         assert set(s) == set(s1)
         assert_states_close(s, s1, atol=1e-5)
+
+
+# ---------------------------------------------------------------- pipeline parallelism (2 CPU ranks, gloo)
+
+
+def _four_layer_model(tiny_model_dir, out, tied: bool):
+    """The tiny model's shape with 4 decoder layers (2 pipeline stages x 2 virtual stages), random
+    norms; tied or untied output layer; the tiny model's tokenizer files."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    cfg.num_hidden_layers, cfg.tie_word_embeddings = 4, tied
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    for f in Path(tiny_model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
+            shutil.copy2(f, out / f.name)
+    return str(out)
+
+
+def _train_layouts(model_dir, tmp_path, layouts, batch, extra=()):
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    results = {}
+    for name, (ranks, flags, mbs) in layouts.items():
+        args = make_args(model_dir, tmp_path, *COMMON, "--train-backend", "megatron", "--actor-num-gpus-per-node",
+                         ranks, "--micro-batch-size", mbs, *flags, *extra)
+        group = TrainGroup(args)
+        try:
+            group.init()
+            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+            metrics = [group.train(0, refs), group.train(1, refs)]
+            results[name] = (metrics, group.full_state(optimizer=True))
+        finally:
+            group.shutdown()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_session):
+    """PP 2 (1F1B) and PP 2 with 2 virtual stages (interleaved), tied embeddings; PP 2 with an uneven
+    split (1 + 3 layers), untied output layer; each against one rank: the same metrics, weights and AdamW state after four steps.
+    A tied embedding lives on both end stages and must train as one weight."""
+    model_dir = _four_layer_model(tiny_model_dir, tmp_path / "four", tied)
+    batch = synthetic_batch(model_dir, 8, seed=15)
+    pp = ["--pipeline-model-parallel-size", 2]
+    # micro-batches of the pipeline: 2 per step of 2 samples (mbs 1 on each rank), or 1 of 4 (mbs 2)
+    # padded with a filler to the 2 the interleaved schedule needs
+    if tied:
+        layouts = {"one": (1, [], 4), "pp2": (2, pp, 1),
+                   "pp2_vp2": (2, pp + ["--virtual-pipeline-model-parallel-size", 2], 2)}
+    else:
+        layouts = {"one": (1, [], 4), "pp2_uneven": (2, pp + ["--decoder-first-pipeline-num-layers", 1], 1)}
+    results = _train_layouts(model_dir, tmp_path, layouts, batch)
+    m1, (s1, o1) = results["one"]
+    assert m1[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert set(s1) == set(hf_model(model_dir).state_dict())
+    for name in set(layouts) - {"one"}:
+        metrics, (model, optim) = results[name]
+        for step in range(2):
+            assert set(metrics[step]) == set(m1[step])
+            for k in deterministic(m1[step]):
+                assert metrics[step][k] == pytest.approx(m1[step][k], rel=1e-4, abs=1e-6), (name, step, k)
+        assert_states_close(model, s1, atol=1e-5)
+        assert set(optim["state"]) == set(o1["state"])
+        for pname, st in o1["state"].items():
+            assert float(optim["state"][pname]["step"]) == float(st["step"]) == 4.0
+            torch.testing.assert_close(optim["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
