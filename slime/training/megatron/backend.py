@@ -84,10 +84,6 @@ def _check_parallel(args, world_size: int) -> tuple[int, int, int]:
     if cp > 1:
         raise SlimeConfigError("--context-parallel-size > 1 needs Transformer Engine's attention on GPUs "
                                "(megatron-core's local attention has no context-parallel path)")
-    if args.sequence_parallel:
-        raise SlimeConfigError("--sequence-parallel is not supported by slime's megatron backend yet: its local "
-                               "layer spec uses torch norms, which megatron refuses under sequence parallelism "
-                               "(it needs the Transformer Engine layer spec on GPUs)")
     return tp, pp, cp
 
 
@@ -156,7 +152,9 @@ class MegatronBackend(StepTail):
             self.teacher_model.requires_grad_(False)
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
-        self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature) if self.pp > 1 else None
+        self.seq_multiple = self.tp if args.sequence_parallel else 1  # SP splits the sequence over TP ranks
+        self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple) \
+            if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.lr)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=self.lr_schedule.lr,
@@ -217,7 +215,7 @@ class MegatronBackend(StepTail):
         """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i]."""
         if not tokens:
             return [], []
-        ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device)
+        ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
         with shims.cpu_only_cuda_shims():
             logits = model(ids, pos, attention_mask=mask)  # [b, t, V_padded]
         return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lengths, self.temperature,
@@ -299,7 +297,8 @@ class MegatronBackend(StepTail):
         if entropy_grad:
             outputs.append(ent_all)
             upstream.append(g_ent.to(ent_all.dtype))
-        torch.autograd.backward(outputs, upstream)
+        with shims.cpu_only_cuda_shims():  # the sequence-parallel layers' backward names the CUDA device
+            torch.autograd.backward(outputs, upstream)
 
     def _upstream(self, k, lp_all, ent_all, lengths, s, e, loss_fn, entropy_grad: bool, own: bool,
                   group) -> tuple[Tensor, Tensor | None]:
@@ -354,10 +353,11 @@ class MegatronBackend(StepTail):
         if tied is not None:  # the first stage's embedding and the last stage's copy train as one weight
             dist.all_reduce(tied.grad, group=ps.get_embedding_group())
         if self.tp > 1:
-            # q/k norms are replicated but each TP rank applies them to its own heads only: their
-            # gradients are partial sums over the group (megatron's finalize_model_grads does the same)
+            # q/k norms are replicated but each TP rank applies them to its own heads only, and under
+            # sequence parallelism the layer norms to its own tokens only: their gradients are partial
+            # sums over the group (megatron's finalize_model_grads does the same)
             for name, p in named:
-                if "q_layernorm" in name or "k_layernorm" in name:
+                if "q_layernorm" in name or "k_layernorm" in name or getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=self.tp_group)
         if dist.get_world_size(self.dp_group) > 1:
             for p in params:

@@ -13,6 +13,7 @@ the top, like backend.py (the only module that imports this one).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -21,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime.training.megatron import convert as mc
 from slime.utils.pipeline_layout import PipelineLayout
@@ -65,6 +67,8 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
                                 **layout.config_fields(dtype))
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(config))
     vp = vp_stage if layout.vp > 1 else None
+    if sequence_parallel:
+        spec = _sequence_parallel_block(spec, tconf, vp)
     model = GPTModel(
         config=tconf,
         transformer_layer_spec=spec,
@@ -84,6 +88,36 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     # training mode, so a model built to recompute is left in it (the same numbers: no dropout)
     model.train(granularity is not None)
     return model
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for a decoder layer under sequence parallelism (megatron's local spec wraps
+    torch norms but refuses them there, expecting Transformer Engine's or apex's). Each TP rank
+    normalizes its own shard of the sequence, so the weight's gradient is partial: it is marked
+    `sequence_parallel`, and the backend sums such gradients over the TP group (megatron's
+    finalize_model_grads does the same for its own norms)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
+class HeadRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for the per-head q/k norms, which sequence parallelism does not split."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+
+
+def _sequence_parallel_block(spec, tconf, vp_stage):
+    """The local layer spec with the norms above, as the block spec of this pipeline chunk's layers."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    attention = spec.submodules.self_attention.submodules
+    if attention.q_layernorm is not None:
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconf, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def _mark_tensor_parallel(model) -> None:

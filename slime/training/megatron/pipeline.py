@@ -45,10 +45,11 @@ GroupBatch = tuple[list[list[int]], list[int]]
 FILLER: GroupBatch = ([[0, 0]], [1])
 
 
-def batch_inputs(tokens: list[list[int]], lengths: list[int], device,
-                 shape: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+def batch_inputs(tokens: list[list[int]], lengths: list[int], device, shape: tuple[int, int] | None = None,
+                 seq_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor, list[int]]:
     """(ids [b, t], positions [b, t], causal mask, prompt lengths) of right-padded samples; `shape`:
-    pad to [B, T] (rows of zeros after the samples)."""
+    pad to [B, T] (rows of zeros after the samples); the length padded to a multiple of `seq_multiple`
+    (the TP size under sequence parallelism, which splits the sequence over the TP ranks)."""
     lens = [len(t) for t in tokens]
     prompt_lens = [n - r for n, r in zip(lens, lengths)]
     for i, (p, r) in enumerate(zip(prompt_lens, lengths)):
@@ -56,6 +57,7 @@ def batch_inputs(tokens: list[list[int]], lengths: list[int], device,
             raise ValueError(f"sample {i} of the micro-batch: {lens[i]} tokens, response length {r} "
                              "(a response needs at least one prompt token before it)")
     b, t = shape or (len(lens), max(lens))
+    t = -(-t // seq_multiple) * seq_multiple
     # right padding under a causal mask: no real token attends to a pad, so no padding mask
     ids = torch.zeros((b, t), dtype=torch.long)
     for i, toks in enumerate(tokens):
@@ -103,8 +105,9 @@ def gather_group_micro_batches(mb_tokens: list[list[int]], mb_lengths: list[int]
 class Pipeline:
     """Runs micro-batches through this rank's model chunks with megatron's schedule."""
 
-    def __init__(self, device, vocab_size: int, temperature: float):
+    def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1):
         self.device, self.vocab_size, self.temperature = device, vocab_size, temperature
+        self.seq_multiple = seq_multiple
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.vp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
 
@@ -115,7 +118,8 @@ class Pipeline:
         return batches + [FILLER] * (self.pp - len(batches) % self.pp)
 
     def _run(self, chunks, batches: list[GroupBatch], on_logits: Callable, forward_only: bool) -> None:
-        shape = (max(len(toks) for toks, _ in batches), max(len(t) for toks, _ in batches for t in toks))
+        m = self.seq_multiple
+        shape = (max(len(toks) for toks, _ in batches), -(-max(len(t) for toks, _ in batches for t in toks) // m) * m)
         inputs = [(k, *batch_inputs(toks, lens, self.device, shape), lens) for k, (toks, lens) in enumerate(batches)]
 
         def forward_step(data_iterator, model):

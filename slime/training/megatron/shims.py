@@ -19,6 +19,8 @@ torch build. On a machine with CUDA none of these shims does anything.
      * a tied output layer on the last stage is copied from the first stage's embedding with
        `weight.data.cuda()` then an all-reduce (LanguageModule.setup_embeddings_and_output_layer):
        `Tensor.cuda()` -> the tensor itself.
+   Under sequence parallelism the tensor-parallel linear layers' backward allocates its
+   all-gather buffer on `torch.cuda.current_device()`: the backward runs in the same scope.
 2. The CUDA RNG tracker: attention dropout and the tensor-parallel layers enter
    `get_cuda_rng_tracker().fork()`, which saves and restores the CUDA RNG state.
    `use_cpu_rng_tracker()` initializes megatron's own inference tracker (a `fork` that is a

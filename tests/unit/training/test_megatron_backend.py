@@ -77,8 +77,6 @@ def _gqa_model(tiny_model_dir, out, kind):
     (["--context-parallel-size", 2, "--actor-num-gpus-per-node", 2], "--context-parallel-size > 1 needs Transformer"),
     (["--tensor-model-parallel-size", 2], r"\(2 x 1 x 1 = 2\) must divide the 1 train ranks"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-    (["--sequence-parallel", "--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
-     "--sequence-parallel is not supported"),
     (["--advantage-estimator", "ppo"], "ppo .* not supported with --train-backend megatron"),
 ])
 def test_megatron_flags_are_validated(tiny_model_dir, tmp_path, extra, message):
@@ -156,14 +154,16 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
 
     gqa_model_dir = _gqa_model(tiny_model_dir, tmp_path / kind, kind)
     batch = synthetic_batch(gqa_model_dir, 8, seed=14)
-    layouts = {"tp2": (2, 2, 1), "one": (1, 1, 3)}  # ranks, TP, micro-batch size
+    layouts = {"tp2": (2, 2, 1, []), "one": (1, 1, 3, [])}  # ranks, TP, micro-batch size, flags
     if kind == "llama":
-        layouts["dp2"] = (2, 1, 1)
+        layouts["dp2"] = (2, 1, 1, [])
+    if kind == "qwen3":  # sequence parallel: the layer norms see half the tokens each, the q/k norms half the heads
+        layouts["tp2_sp"] = (2, 2, 2, ["--sequence-parallel"])
     results = {}
-    for name, (ranks, tp, mbs) in layouts.items():
+    for name, (ranks, tp, mbs, flags) in layouts.items():
         args = make_args(gqa_model_dir, tmp_path, *COMMON, "--train-backend", "megatron",
                          "--actor-num-gpus-per-node", ranks, "--tensor-model-parallel-size", tp,
-                         "--micro-batch-size", mbs)
+                         "--micro-batch-size", mbs, *flags)
         group = TrainGroup(args)
         try:
             group.init()
