@@ -98,9 +98,11 @@ def check_prompt_data(args: Args) -> None:
     fields and their types), so bad data fails with its file and line before Ray or an engine starts."""
     data = [args.prompt_data] if args.prompt_data is not None and args.loss_type != "sft_loss" \
         and not args.data_source_path else []
-    for spec in [*data, *args.eval_sets.values()]:
+    for spec in data:
         check_prompt_file(spec, args.input_key, args.label_key, args.metadata_key, args.apply_chat_template,
                           args.tool_key)
+    for d in args.eval_datasets:  # each eval set with its own keys (--eval-config)
+        check_prompt_file(d.path, d.input_key, d.label_key, d.metadata_key, args.apply_chat_template, d.tool_key)
 
 
 def validate_custom_rollout(args: Args) -> None:

@@ -43,10 +43,14 @@ from slime.argument_checks import (  # noqa: F401 (POLICY_LOSS_OF_ESTIMATOR: re-
 from slime.data.dataset import count_rows, split_slice
 from slime.engines.auth import env_api_key
 from slime.engines.kinds import KINDS, UPDATE_WEIGHTS_MODES, engine_kind
+from slime.eval_flags import add_eval_flags, validate_eval
 from slime.lora_flags import add_lora_flags, validate_lora
+from slime.mcp_flags import add_mcp_flags, validate_mcp
 from slime.moe_flags import add_moe_flags, validate_moe
 from slime.off_policy_flags import add_off_policy_flags, validate_off_policy
+from slime.profile_flags import add_profile_flags, validate_profile
 from slime.opd_flags import add_opd_flags, validate_opd
+from slime.environment_flags import add_environment_flags, validate_environment
 from slime.reward_flags import add_judge_flags, add_reward_flags, validate_judge
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
@@ -362,17 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted path of a TIS function replacing the built-in one "
                         "(docs/algorithms.md; needs --use-tis)")
 
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-prompt-data", nargs="+", default=None,
-                   help="NAME PATH [NAME PATH ...] (a single PATH is named 'eval')")
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--skip-eval-before-train", action="store_true",
-                   help="do not evaluate the initial weights (eval runs before training by default)")
-    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
-    g.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
-    g.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
-    g.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
-    g.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
+    add_eval_flags(p)  # --eval-prompt-data, --eval-config, --eval-*: slime.eval_flags
 
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234)
@@ -411,20 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_flags(p)
     add_off_policy_flags(p)
     add_judge_flags(p)
+    add_mcp_flags(p)
+    add_environment_flags(p)
     add_model_flags(p)
     add_script_flags(p)
+    add_profile_flags(p)  # --profile-rollouts: slime.profile_flags
     return p
-
-
-def _parse_eval_sets(values: list[str] | None) -> dict[str, str]:
-    if not values:
-        return {}
-    if len(values) == 1:
-        return {"eval": values[0]}
-    require(len(values) % 2 == 0, f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values: {values}")
-    sets = dict(zip(values[::2], values[1::2]))
-    require(len(sets) == len(values) // 2, f"--eval-prompt-data repeats a name: {values[::2]}")
-    return sets
 
 
 def _default_output_dir() -> str:
@@ -467,20 +453,17 @@ def validate(args: Args) -> Args:
     validate_moe(args)  # --use-rollout-routing-replay, --use-routing-replay, --moe-aux-loss-coeff
     if args.rm_type in UNAVAILABLE_RM_TYPES:
         raise SlimeConfigError(unavailable_message(args.rm_type))
+    validate_environment(args)  # --env-id: the verifiers/OpenEnv adapter, its reward and data defaults
     require(args.prompt_data is not None or args.data_source_path or args.rollout_function_path,
             "--prompt-data is required (unless --data-source-path or --rollout-function-path supplies the data)")
     if args.prompt_data is not None:
         require(_data_file(args.prompt_data).is_file(), f"--prompt-data: file {args.prompt_data} does not exist")
     require(args.apply_chat_template_kwargs is None or args.apply_chat_template,
             "--apply-chat-template-kwargs needs --apply-chat-template (its keys go to the chat template)")
-    args.eval_sets = _parse_eval_sets(args.eval_prompt_data)
-    for name, path in args.eval_sets.items():
-        require(_data_file(path).is_file(), f"--eval-prompt-data: file {path} (set {name!r}) does not exist")
     validate_custom_rollout(args)
+    validate_mcp(args)  # --mcp-config: the MCP servers' file (nothing starts here)
     validate_judge(args)  # --rm-type llm_judge: the served --judge-model and the --judge-template file
     check_slime_paths(args)  # slime's own module paths that need another flag here
-    if (args.eval_sets or args.eval_function_path) and args.eval_interval is None:
-        args.eval_interval = 1 << 30  # before training and after the last rollout only
     check_checkpoint_dirs(args)
     require(args.save_interval is None or args.save_interval >= 1, "--save-interval must be >= 1")
     require(args.save_interval is None or args.save is not None, "--save-interval needs --save DIR")
@@ -496,6 +479,7 @@ def validate(args: Args) -> Args:
     for name in ("temperature", "top_p", "top_k", "max_response_len"):
         if getattr(args, f"eval_{name}") is None:
             setattr(args, f"eval_{name}", getattr(args, f"rollout_{name}"))
+    validate_eval(args)  # the eval sets (--eval-prompt-data or --eval-config) and their settings; eval schedule
 
     # the batch rule: rollout_batch_size * n_samples_per_prompt = global_batch_size * num_steps_per_rollout
     samples = args.rollout_batch_size * args.n_samples_per_prompt
@@ -561,6 +545,7 @@ def validate(args: Args) -> Args:
             "--num-rollout 0 is an eval-only run; --skip-eval-before-train would leave nothing to do")
     validate_lr_schedule(args)
     validate_debug(args)
+    validate_profile(args)  # --profile-rollouts A-B against --num-rollout
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     if args.engine_api_key is None:  # a job's processes share one key: its environment's, else a new one

@@ -194,9 +194,6 @@ FLAGS: tuple[ScriptFlag, ...] = (
                _megatron_only_refused("deterministic trainer reductions are built for --train-backend fsdp only"),
                stated="batch-invariant engine numerics and deterministic trainer algorithms: the same --seed gives "
                       "bitwise-identical rollouts, log-probs and metrics (docs/reproducibility.md)"),
-    ScriptFlag("--eval-config", dict(default=None),
-               _refuse("per-dataset evaluation settings from a YAML file are not built; give --eval-prompt-data "
-                       "NAME PATH [NAME PATH ...] with --n-samples-per-eval-prompt / --eval-* flags")),
     ScriptFlag("--multimodal-keys", dict(default=None), _refuse("vision-language inputs are not built yet")),
     ScriptFlag("--loss-mask-type", dict(choices=("qwen", "qwen3", "qwen3_5", "distill_qwen"), default=None),
                stated="slime derives loss masks from the tokenizer's own chat template, for every model family"),

@@ -58,6 +58,8 @@ class Sample:
     weight_versions: list[int] = field(default_factory=list)
     # set by a --rollout-sample-filter-path function: the sample stays in the batch but trains on nothing
     remove_sample: bool = False
+    # timeline spans: where the sample's wall time went (slime.observability.spans; docs/timeline.md)
+    spans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:

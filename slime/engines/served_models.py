@@ -32,15 +32,13 @@ args one served model's engines are launched with (its checkpoint, kind, engine 
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from slime.utils.errors import SlimeConfigError
+from slime.utils.yaml_fields import YamlFile, suggestion
 
 POLICY_DEFAULT_NAME = "actor"  # the policy's name in a run without --sglang-config
 MODEL_KEYS = ("name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups",
@@ -81,9 +79,7 @@ class _Where:
     def keys(self, field_name: str, entry: dict, known: tuple[str, ...]) -> None:
         for key in entry:
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
-                self.fail(f"{field_name}.{key}", "unknown field" + (f" (did you mean {close[0]}?)" if close else
-                                                                    f"; known: {', '.join(known)}"))
+                self.fail(f"{field_name}.{key}", "unknown field" + suggestion(key, known))
 
 
 def _positive_int(where: _Where, field_name: str, value) -> int:
@@ -97,15 +93,7 @@ def load_served_models(path: str, hf_checkpoint: str, default_engine: str, defau
     """Every model of the `--sglang-config` file at `path`, checked (see the module docstring);
     the policy is the one with `update_weights`."""
     where = _Where(path)
-    p = Path(path)
-    if not p.is_file():
-        raise SlimeConfigError(f"--sglang-config: file {path} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        raise SlimeConfigError(f"--sglang-config {path}: not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    doc = YamlFile.load("--sglang-config", path).data
     if not isinstance(doc, dict) or "sglang" not in doc:
         where.fail("sglang", "missing: the file is a mapping with a `sglang` list of models")
     where.keys("(top level)", doc, ("sglang",))

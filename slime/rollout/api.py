@@ -5,11 +5,13 @@ Custom functions (`--custom-generate-function-path`, `--custom-rm-path`,
 docs/custom_rollout.md) run inside the RolloutManager process. There they reach the engines
 through the router with token ids in and token ids out:
 
-    from slime.rollout.api import context, generate_tokens, continue_sample
+    from slime.rollout.api import context, generate_tokens, continue_sample, sample_span
 
     async def generate(args, sample, sampling_params):
         out = await continue_sample(sample, sampling_params)   # model tokens appended, mask 1
         ...
+        with sample_span(sample, "tool", name="search"):        # a timeline span (docs/timeline.md)
+            tool_ids = ...
         sample.append_env_tokens(tool_ids)                       # tool tokens, mask 0
 
 `context()` holds the args, the tokenizer, the engine pool, the OpenAI-compatible base URL
@@ -23,13 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slime.engines.control import Route
+from slime.observability import spans
 from slime.types import Sample, SampleStatus
+
+sample_span = spans.sample_span  # `with sample_span(sample, "tool", name=...)`: custom code's timeline spans
 
 
 @dataclass
@@ -45,6 +51,13 @@ class EngineOutput:
     # the experts every token that went through a forward was routed to: Tensor[prompt + output - 1,
     # MoE layers, top-k] (--use-rollout-routing-replay; SGLang's `routed_experts`), else None
     routed_experts: Any = None
+    # the timeline (slime.observability.spans): when the client sent the request and got the answer
+    # (time.time()), the engine that served it and its timing (queue_time, prefill_time, e2e_latency
+    # in seconds) where the engine reports them (the native engine does)
+    started: float = 0.0
+    finished: float = 0.0
+    engine: str | None = None
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,7 +138,12 @@ def parse_engine_output(out: dict) -> EngineOutput:
         weight_version=int(version) if version is not None and str(version).isdigit() else None,
         prompt_tokens=prompt_tokens,
         routed_experts=_routed_experts(meta, prompt_tokens + len(output_ids) - 1),
+        engine=meta.get("engine_url"),
+        timing={k: float(meta[k]) for k in TIMING_KEYS if isinstance(meta.get(k), (int, float))},
     )
+
+
+TIMING_KEYS = ("queue_time", "prefill_time", "e2e_latency")  # meta_info seconds (SGLang's e2e_latency)
 
 
 def _routed_experts(meta: dict, rows: int):
@@ -145,9 +163,20 @@ def _routed_experts(meta: dict, rows: int):
 async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=None) -> EngineOutput:
     """Continue `input_ids` with one `/generate` call through the router (token ids in and out)."""
     engines = engines if engines is not None else context().engines
+    started = time.time()
     out = await engines.generate({"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                                   "return_logprob": True})
-    return parse_engine_output(out)
+    finished = time.time()
+    out = parse_engine_output(out)
+    out.started, out.finished = started, finished
+    return out
+
+
+def record_engine_call(sample: Sample, out: EngineOutput) -> None:
+    """The timeline spans of one `generate_tokens` call on `sample` (queued/prefill/decode, or one
+    `generate` span when the engine reports no split); `continue_sample` calls it."""
+    spans.add_engine_call(sample, out.started, out.finished, out.timing, engine=out.engine,
+                          weight_version=out.weight_version, tokens=len(out.output_ids))
 
 
 STATUS_OF_FINISH = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -158,6 +187,7 @@ async def continue_sample(sample: Sample, sampling_params: dict, engines=None) -
     tokens as model tokens (loss mask 1, log-probs kept) and set the sample's status and weight
     version from this call. Returns the call's output (its `text` is this turn's text)."""
     out = await generate_tokens(sample.tokens, sampling_params, engines)
+    record_engine_call(sample, out)
     sample.append_model_tokens(out.output_ids, out.log_probs)
     if out.routed_experts is not None:  # every token's experts so far (this call saw the whole sequence)
         sample.rollout_routed_experts = out.routed_experts

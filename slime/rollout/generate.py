@@ -10,7 +10,9 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 
+from slime.observability.spans import add_span, sample_span
 from slime.rollout.api import continue_sample
 from slime.rollout.rewards import RewardFunction, RewardMix
 from slime.types import Sample, SampleStatus
@@ -73,7 +75,8 @@ async def score(reward: RewardFunction | RewardMix, args, sample: Sample) -> Sam
     (`RewardMix`, `--reward-functions`): each one's value is in `sample.reward_dict` under its
     name, their weighted sum is `sample.reward`, and any one failing fails the sample."""
     try:
-        value = await asyncio.wait_for(reward(args, sample), timeout=reward.time_limit(args.rm_timeout))
+        with sample_span(sample, "reward"):
+            value = await asyncio.wait_for(reward(args, sample), timeout=reward.time_limit(args.rm_timeout))
     except Exception as e:  # counted in rollout/reward_failures and excluded from the loss
         return _failed(sample, e)
     return _set_reward(sample, value, args.reward_key, reward)
@@ -83,6 +86,7 @@ async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> li
     """Reward a whole group with one call (`--group-rm`); it must return one value per sample. A
     call that fails marks every sample of the group FAILED; a value that is not finite marks its own
     sample only."""
+    start = time.time()
     try:
         values = await asyncio.wait_for(reward(args, samples), timeout=reward.time_limit(args.rm_timeout))
         values = list(values)
@@ -91,8 +95,15 @@ async def score_group(reward: RewardFunction, args, samples: list[Sample]) -> li
     except SlimeConfigError:
         raise
     except Exception as e:
-        return [_failed(s, e) for s in samples]
-    return [_set_reward(s, v, args.reward_key) for s, v in zip(samples, values)]
+        return [_failed(s, e) for s in _group_reward_spans(samples, start)]
+    return [_set_reward(s, v, args.reward_key) for s, v in zip(_group_reward_spans(samples, start), values)]
+
+
+def _group_reward_spans(samples: list[Sample], start: float) -> list[Sample]:
+    end = time.time()
+    for s in samples:
+        add_span(s, "reward", start, end, name="group")
+    return samples
 
 
 def _set_reward(sample: Sample, value, reward_key: str | None, reward=None) -> Sample:

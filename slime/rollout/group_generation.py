@@ -19,9 +19,11 @@ of the group concurrently); evaluation samples are not.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from slime.observability.spans import GAP_TOLERANCE_S, add_span, close_sample, sample_span
 from slime.rollout.generate import generate, sample_seed, sampling_params, score, score_group
 from slime.rollout.teacher import score_teacher
 from slime.types import Sample, SampleStatus
@@ -84,14 +86,34 @@ class GroupRunner:
         return await self._teacher(await score(self.reward, self.args, s), evaluation)
 
     async def _teacher(self, s: Sample, evaluation: bool) -> Sample:
-        return await score_teacher(self.args, s) if self.args.opd_served and not evaluation else s
+        if not self.args.opd_served or evaluation:
+            return s
+        with sample_span(s, "teacher"):
+            return await score_teacher(self.args, s)
+
+    async def _timed(self, s: Sample, rollout_id: int, evaluation: bool) -> tuple[float, float, list[Sample]]:
+        start = time.time()
+        out = await self.sample(s, rollout_id, evaluation)
+        return start, time.time(), out
 
     async def group(self, g: list[Sample], rollout_id: int, evaluation: bool = False) -> list[Sample]:
-        samples = [x for out in await asyncio.gather(*(self.sample(s, rollout_id, evaluation) for s in g))
-                   for x in out]
-        if self.reward.group and not any(s.status == SampleStatus.ABORTED for s in samples):
+        """Generate and score one group; every sample's timeline spans then cover its wall time
+        (from its launch to its reward, or to the group's reward with --group-rm)."""
+        timed = await asyncio.gather(*(self._timed(s, rollout_id, evaluation) for s in g))
+        samples = [x for _, _, out in timed for x in out]
+        grouped = self.reward.group and not any(s.status == SampleStatus.ABORTED for s in samples)
+        if grouped:
+            now = time.time()
+            for _, done, out in timed:  # done early: waits for the rest of its group
+                for x in out:
+                    if now - done > GAP_TOLERANCE_S:
+                        add_span(x, "wait", done, now, name="group")
             samples = await score_group(self.reward, self.args, samples)
             samples = list(await asyncio.gather(*(self._teacher(s, evaluation) for s in samples)))
+        end = time.time()
+        for start, done, out in timed:
+            for x in out:
+                close_sample(x, start, end if grouped else done)
         return samples
 
 

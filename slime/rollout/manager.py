@@ -25,13 +25,13 @@ import time
 import ray
 from transformers import AutoTokenizer
 
-from slime.data.dataset import load_prompts
 from slime.data.source import make_data_source
 from slime.engines.fleet import EngineFleet
 from slime.engines.health import EngineRestartError
 from slime.engines.served_models import model_args
+from slime.observability import spans
 from slime.rollout import api, debug_data
-from slime.rollout.evaluation import evaluate
+from slime.rollout.evaluation import evaluate, load_eval_sets
 from slime.rollout.extensions import Extensions
 from slime.rollout.group_generation import GroupRunner
 from slime.rollout.metrics import rollout_metrics, sft_metrics, staleness_metrics
@@ -71,10 +71,7 @@ class RolloutManager:
         # custom code may ask for the tokenizer and config before the engines are up
         api.set_context(api.RolloutContext(args, self.tokenizer, None, "", args.custom_config))
         self.data_source = make_data_source(args, self.tokenizer)
-        self.eval_sets = {name: load_prompts(path, self.tokenizer, args.input_key, args.label_key, args.metadata_key,
-                                             args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,
-                                             args.apply_chat_template_kwargs)
-                          for name, path in args.eval_sets.items()}
+        self.eval_sets = load_eval_sets(args, self.tokenizer)  # each with its own keys and settings
         self.ext = Extensions.load(args)
         # SFT and --debug-train-only start no engines
         self.urls = self._start_engines() if args.num_engines else []
@@ -112,7 +109,7 @@ class RolloutManager:
     def generate(self, rollout_id: int) -> tuple[list[ray.ObjectRef], dict[str, float]]:
         args = self.args
         self.progress_counts[:] = [0, 0]
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         rollout = self.sampler.sample(rollout_id)
         self._resume_points = {k: v for k, v in self._resume_points.items() if k >= rollout_id - 2}
         self._resume_points[rollout_id] = self._resume_point()
@@ -122,6 +119,8 @@ class RolloutManager:
         metrics = {**rollout.metrics, **staleness_metrics(samples, rollout_id, self.staleness.counts)}
         if args.save_debug_rollout_data:
             debug_data.save_samples(args.save_debug_rollout_data, rollout_id, samples)
+        # every sample's spans: `python -m slime.timeline <output-dir> --rollout N` (docs/timeline.md)
+        spans.write_rollout(args.output_dir, rollout_id, rollout.generated, samples, self.urls, wall_start, time.time())
         elapsed = time.perf_counter() - start
         batch = to_train_batch(args, samples, self.ext.reward_post_process)
         metrics.update(rollout_metrics(args, samples, rollout.generated, elapsed, self.ext.sample_filter is not None))

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from slime.observability.spans import sample_span
 from slime.rollout.api import context, continue_sample
 from slime.types import Sample, SampleStatus
 
@@ -134,11 +135,15 @@ async def run_tool_loop(args, sample: Sample, sampling_params: dict, tools: dict
         calls = parse(out.text)
         if out.finish_reason != "stop" or not calls or turns == max_turns:
             break
-        results = [await call_tool(tools, c, tool_timeout) for c in calls]
+        results = []
+        for c in calls:  # each call a `tool` span of the sample's timeline
+            with sample_span(sample, "tool", name=c.name or "malformed"):
+                results.append(await call_tool(tools, c, tool_timeout))
         n_calls += len(calls)
         ended = bool(out.output_ids) and out.output_ids[-1] == tokenizer.eos_token_id
-        ids = env_message_tokens(tokenizer, tool_messages(calls, results), turn_ended=ended,
-                                 chat_template_kwargs=args.apply_chat_template_kwargs)
+        with sample_span(sample, "env", name="tool results"):
+            ids = env_message_tokens(tokenizer, tool_messages(calls, results), turn_ended=ended,
+                                     chat_template_kwargs=args.apply_chat_template_kwargs)
         if sample.response_length + len(ids) >= budget:
             sample.status = SampleStatus.TRUNCATED
             break

@@ -33,6 +33,7 @@ return them all (`run_agent` does). Each call must ask for one choice (`n` = 1).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -41,6 +42,7 @@ import openai
 
 from slime.engines.auth import env_api_key
 from slime.engines.kinds import POLICY_LORA_NAME
+from slime.observability.spans import add_span
 from slime.rollout.api import context
 from slime.types import Sample, SampleStatus
 
@@ -57,6 +59,8 @@ class RecordedCall:
     finish_reason: str
     text: str
     weight_version: int | None = None
+    started: float = 0.0  # time.time() when the request went out and its answer came back (the timeline)
+    finished: float = 0.0
 
 
 class RecorderError(RuntimeError):
@@ -144,7 +148,7 @@ class TrajectoryRecorder:
         body["return_token_ids"] = True
         return body
 
-    def _record(self, kind: str, data: dict) -> None:
+    def _record(self, kind: str, data: dict, started: float = 0.0, finished: float = 0.0) -> None:
         try:
             choice = data["choices"][0]
             if kind == "chat":
@@ -169,7 +173,7 @@ class TrajectoryRecorder:
         self.calls.append(RecordedCall(
             prompt_ids=[int(t) for t in prompt_ids], output_ids=[int(t) for t in output_ids], log_probs=log_probs,
             finish_reason=str(choice.get("finish_reason") or "stop"), text=text,
-            weight_version=_version(data.get("weight_version"))))
+            weight_version=_version(data.get("weight_version")), started=started, finished=finished))
 
     # -- the episode as training data -------------------------------------------------------
     def to_samples(self, sample: Sample, tokenizer=None) -> list[Sample]:
@@ -192,7 +196,12 @@ class TrajectoryRecorder:
             s = Sample(prompt=sample.prompt, label=sample.label, index=sample.index, group_index=sample.group_index,
                        metadata=dict(sample.metadata), tokens=list(calls[0].prompt_ids), loss_mask=[],
                        rollout_log_probs=[])
-            for call in calls:
+            for j, call in enumerate(calls):
+                if j and call.started > calls[j - 1].finished > 0:  # the agent's own work between two calls
+                    add_span(s, "env", calls[j - 1].finished, call.started, name="agent")
+                if call.finished:
+                    add_span(s, "generate", call.started, call.finished, weight_version=call.weight_version,
+                             tokens=len(call.output_ids))
                 s.append_env_tokens(call.prompt_ids[len(s.tokens):])
                 s.append_model_tokens(call.output_ids, call.log_probs)
                 s.status = _STATUS.get(call.finish_reason, SampleStatus.COMPLETED)
@@ -225,12 +234,13 @@ class _RecordingTransport:
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
         sent = httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode(),
                              extensions=request.extensions)
+        started = time.time()
         response = await self.inner.handle_async_request(sent)
         if response.status_code != 200:
             return response
         raw = await response.aread()
         await response.aclose()
-        self.recorder._record(kind, json.loads(raw))
+        self.recorder._record(kind, json.loads(raw), started, time.time())
         drop = (b"content-length", b"content-encoding", b"transfer-encoding")
         return httpx.Response(response.status_code, content=raw, extensions=response.extensions,
                               headers=[(k, v) for k, v in response.headers.raw if k.lower() not in drop])

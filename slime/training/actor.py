@@ -48,6 +48,7 @@ from slime.algorithms.losses import (
 from slime.algorithms.off_policy import off_policy_tis, policy_loss_for, token_masks
 from slime.algorithms.opd import distill_advantages, reverse_kl, served_teacher_log_probs
 from slime.engines.kinds import engine_kind
+from slime.observability.profiling import profile_rollout
 from slime.training.backend import MicroBatch, TrainBackend
 from slime.training.freeze import copy_policy_into_reference, ref_update_due
 from slime.training.micro_batches import token_budget_micro_batches
@@ -307,6 +308,10 @@ class TrainActor:
     @resident
     def train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None = None) -> dict[str, float]:
         """One rollout of policy training; `values` (PPO) are the critic's per-token values of `batch`."""
+        with profile_rollout(self.args, rollout_id, self.rank, self.role):  # --profile-rollouts A-B
+            return self._train(rollout_id, batch, values)
+
+    def _train(self, rollout_id: int, batch: RolloutBatch, values: list[Tensor] | None) -> dict[str, float]:
         args, be = self.args, self.backend
         if be is None:
             raise RuntimeError("TrainActor.init() was not called")

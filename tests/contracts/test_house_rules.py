@@ -20,7 +20,7 @@ from slime.engines.control import Route
 
 ROOT = Path(__file__).resolve().parents[2]
 SLIME = ROOT / "slime"
-OPTIONAL = {"megatron", "vllm", "sglang", "wandb", "reasoning_gym"}
+OPTIONAL = {"megatron", "vllm", "sglang", "wandb", "reasoning_gym", "verifiers", "openenv", "uvicorn"}
 OPTIONAL_SLIME = ("slime.training.megatron.",)  # the megatron backend imports megatron-core at its top
 
 
@@ -134,8 +134,9 @@ LAYERS = {
     "slime.rollout": 4, "slime.training": 4, "slime.ray": 4,
     "slime.arguments": 3.5, "slime.argument_checks": 3, "slime.model_flags": 2.5, "slime.lora_flags": 2.5,
     "slime.opd_flags": 2.5, "slime.moe_flags": 2.5, "slime.reward_flags": 2.5, "slime.script_flags": 2.5, "slime.config_file": 2.5,
-    "slime.off_policy_flags": 2.5,
+    "slime.off_policy_flags": 2.5, "slime.eval_flags": 2.5, "slime.mcp_flags": 2.5, "slime.environment_flags": 2.5,
     "slime.engines": 2, "slime.algorithms": 2, "slime.data": 2, "slime.observability": 2, "slime.plot": 2,
+    "slime.profile_flags": 2.5, "slime.timeline": 3,
     "slime.types": 1, "slime.utils": 1, "slime": 0,
 }
 

@@ -1,5 +1,6 @@
 """End-to-end runs of train.py with custom rollout pieces on the tiny model: an eval-only run with
-pass@k, a remote reward service, and reasoning-gym tasks as the data source."""
+pass@k, a remote reward service, reasoning-gym tasks as the data source, and a verifiers environment
+(examples/verifiers_env) as the rollout."""
 
 import json
 import threading
@@ -96,3 +97,49 @@ def test_reasoning_gym_data_source(task, tmp_path):  # noqa: F811
     assert len(samples) == 16
     assert all(s.metadata["reasoning_gym"]["dataset"] == "chain_sum" for s in samples)
     assert all("arithmetic problem" in s.prompt for s in samples)
+
+
+def test_verifiers_environment(task, tmp_path):  # noqa: F811
+    """The example verifiers environment (2 turns: answer, then check) from a --config file: its dataset is the
+    data, its rubric the reward; each saved Sample masks exactly the model's two replies."""
+    needs = "the verifiers adapter needs `verifiers` 0.3 (pip install 'verifiers>=0.3.1,<0.4')"
+    if not hasattr(pytest.importorskip("verifiers", reason=needs), "OpenAIChatCompletionsClient"):
+        pytest.skip(needs)
+    from transformers import AutoTokenizer
+
+    from slime.rollout.debug_data import load_samples
+
+    cfg = tmp_path / "env.yaml"
+    cfg.write_text("custom_generate_function_path: slime.rollout.environments.verifiers_env.generate\n"
+                   "env_id: examples/verifiers_env/check_env.py\n"
+                   "env_args: {turns: 2, num_examples: 16, max_tokens: 3}\n")
+    out = tmp_path / "out"
+    cmd = [a for a in shape_cmd(task, out, "--num-rollout", "1", "--rollout-max-response-len", "32")
+           if a not in ("--prompt-data", task["train"])]
+    r = run([*cmd, "--config", str(cfg), "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (rec,) = records(out)
+    assert rec["rollout/reward_failures"] == 0.0
+    samples = load_samples(str(tmp_path / "rollout_{rollout_id}.pt"), 0)
+    assert len(samples) == 16
+    tok = AutoTokenizer.from_pretrained(task["model"])
+    check = list(tok.apply_chat_template([{"role": "user", "content": "check your answer . what is the answer ?"}],
+                                         tokenize=True, add_generation_prompt=True, return_dict=False))
+    whole = 0
+    for s in samples:
+        assert s.reward == s.metadata["env_reward"] in (0.0, 1.0)
+        assert "vf_input" in s.metadata and len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
+        runs = []
+        for j, m in enumerate(s.loss_mask):
+            if not runs or runs[-1][0] != m:
+                runs.append([m, j, j])
+            runs[-1][2] = j + 1
+        if s.metadata["calls"] == 2:  # reply, the environment's check turn (mask 0), reply
+            assert [m for m, _, _ in runs] == [1, 0, 1]
+            (_, _, a), (_, _, b) = runs[0], runs[1]
+            eos = tok.eos_token_id
+            assert s.response_tokens[a:b] == ([] if s.response_tokens[a - 1] == eos else [eos]) + check
+            whole += 1
+        else:  # one reply (a segment the chat template could not continue token for token, or an early stop)
+            assert [m for m, _, _ in runs] == [1]
+    assert whole > 0

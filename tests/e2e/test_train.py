@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from slime.observability.spans import coverage, read_rollout
+from slime.timeline import write_timeline
 from tests.helpers.e2e import REFERENCE_FLAGS, records, run, shape_cmd
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +32,17 @@ def test_quickstart_tiny_reward_rises(tmp_path):
     evals = [r for r in records(out) if "trained_rollouts" in r]
     assert [e["trained_rollouts"] for e in evals][0] == 0 and evals[-1]["trained_rollouts"] == len(train)
     assert "eval/parity:" in proc.stdout
+    # the rollout timeline (docs/timeline.md): through the router, every call split by the native engine
+    # that served it; the spans cover each sample's wall time; the page and summary render
+    header, rows = read_rollout(out / "timeline" / f"rollout_{len(train) - 1}.jsonl")
+    calls = [s for r in rows for s in r["spans"] if s["kind"] in ("prefill", "decode")]
+    assert rows and calls and all(s["engine"] in header["engines"] for s in calls), header
+    for r in rows:
+        a, b = min(s["start"] for s in r["spans"]), max(s["end"] for s in r["spans"])
+        assert sum(coverage(r["spans"], a, b)) < 0.01 and header["start"] <= a <= b <= header["end"]
+    page, summary = write_timeline(out, len(train) - 1)
+    assert page.is_file() and header["engines"][0] in summary
+    assert "rollout/pass@1" in train[-1] and "rollout/response_len/p90" in train[-1]
 
 
 def test_quickstart_tiny_learns_with_every_trainer_feature_on(tmp_path):

@@ -41,6 +41,7 @@ import collections
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -411,6 +412,7 @@ class NativeEngine(EngineWeights, EngineLora):
                 rows.append(row)
                 budget -= len(nxt.input_ids)
                 admitted.append(self._waiting.popleft())
+                admitted[-1].admitted = time.perf_counter()
             self._admitting = admitted
         for r in self._lora_missing(admitted):  # their adapter was unloaded while they waited
             self._finish(r, r.finish)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +31,12 @@ class GenerationResult:
     output_top_logprobs: list | None = None
     # with return_routed_experts (`routing.py`): Tensor[len(prompt) + len(output) - 1, MoE layers, top-k] int32
     routed_experts: torch.Tensor | None = None
+    # seconds: submit -> admitted into a batch, admitted -> first token sampled, submit -> complete
+    # (meta_info `queue_time`, `prefill_time`, `e2e_latency`: the rollout timeline's split); None when
+    # the request never got there (aborted while waiting)
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    e2e_latency: float | None = None
 
 
 Callback = Callable[[GenerationResult | None, BaseException | None], None]
@@ -57,6 +64,10 @@ class Request:
     finish: dict | None = None
     aborted: bool = False
     done: bool = False
+    # time.perf_counter() when it was submitted, admitted into a batch, and its first token sampled
+    submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    first_token: float | None = None
     # stop strings: the output's text, decoded incrementally (each token decodes a few tokens, not
     # the whole output): text so far, and the token offsets of the last decode's context and end
     _text: str = ""
@@ -73,6 +84,8 @@ class Request:
         rules in SGLang's order: length, then EOS / stop tokens (unless ignore_eos), then stop
         strings. Tokens that do not end the request go to `on_token`."""
         self.output_ids.append(t)
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
         if self.finish is not None:
             return
         if self.aborted:
@@ -144,7 +157,12 @@ class Request:
                 prompt_tokens=len(self.input_ids),
                 weight_version=weight_version,
                 output_token_logprobs=list(lps),
+                e2e_latency=time.perf_counter() - self.submitted,
             )
+            if self.admitted is not None:
+                res.queue_time = self.admitted - self.submitted
+                if self.first_token is not None:
+                    res.prefill_time = self.first_token - self.admitted
             if self.logprob_start is not None:
                 n_in = len(self.input_ids) - self.logprob_start
                 res.logprob_start = self.logprob_start

@@ -84,16 +84,32 @@ async def _errors(request: web.Request, handler):
         return web.json_response(error_body(f"{type(e).__name__}: {e}"), status=500)
 
 
-def _response(engine: NativeEngine, inp, res: GenerationResult) -> dict:
+def _engine_url(request: web.Request) -> str | None:
+    """This server's URL as the request reached it (the local end of its connection)."""
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if not sock:
+        return None
+    host = f"[{sock[0]}]" if ":" in str(sock[0]) else sock[0]
+    return f"http://{host}:{sock[1]}"
+
+
+def _timing(res: GenerationResult, engine_url: str | None) -> dict:
+    """meta_info's timing (seconds) and the serving engine: the rollout timeline's spans
+    (slime.observability.spans); a value the request never reached is left out."""
+    out = {k: getattr(res, k) for k in ("queue_time", "prefill_time", "e2e_latency") if getattr(res, k) is not None}
+    return {**out, "engine_url": engine_url} if engine_url else out
+
+
+def _response(engine: NativeEngine, inp, res: GenerationResult, engine_url: str | None = None) -> dict:
     texts = engine.token_texts(res.output_ids) if (inp.return_logprob and inp.return_text_in_logprobs) else None
-    extra = None
+    extra = _timing(res, engine_url)
     if inp.return_logprob and res.logprob_start is not None:
-        extra = logprob_meta(input_ids=inp.input_ids, start=res.logprob_start, input_values=res.input_token_logprobs,
-                             input_top=res.input_top_logprobs, output_top=res.output_top_logprobs,
-                             top_logprobs_num=inp.top_logprobs_num,
-                             decode=engine.token_texts if inp.return_text_in_logprobs else None)
+        extra |= logprob_meta(input_ids=inp.input_ids, start=res.logprob_start, input_values=res.input_token_logprobs,
+                              input_top=res.input_top_logprobs, output_top=res.output_top_logprobs,
+                              top_logprobs_num=inp.top_logprobs_num,
+                              decode=engine.token_texts if inp.return_text_in_logprobs else None)
     if res.routed_experts is not None:  # SGLang's shape: base64 of int32 [prompt + output - 1, layers, top-k]
-        extra = {**(extra or {}), "routed_experts": base64.b64encode(encode_routing(res.routed_experts)).decode(),
+        extra = {**extra, "routed_experts": base64.b64encode(encode_routing(res.routed_experts)).decode(),
                  "routed_experts_start_len": 0}
     return build_generate_response(
         rid=res.rid,
@@ -152,7 +168,8 @@ async def generate(request: web.Request) -> web.Response:
         for inp in inputs:
             engine.abort(inp.rid)
         raise
-    out = [_response(engine, inp, res) for inp, res in zip(inputs, results)]
+    url = _engine_url(request)
+    out = [_response(engine, inp, res, url) for inp, res in zip(inputs, results)]
     return web.json_response(out if is_batch else out[0])
 
 

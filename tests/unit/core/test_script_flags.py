@@ -84,7 +84,7 @@ def test_moe_layer_freq_is_an_int_or_a_safe_list_expression():
     (["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d: needs --optimizer-cpu-offload"),
     (["--deterministic-mode", "--train-backend", "megatron"], "--deterministic-mode: deterministic trainer "
                                                               "reductions are built for --train-backend fsdp"),
-    (["--eval-config", "multi_task.yaml"], "--eval-config multi_task.yaml: per-dataset evaluation settings"),
+    (["--eval-config", "multi_task.yaml"], "--eval-config: file multi_task.yaml does not exist"),
     (["--disable-compute-advantages-and-returns"], "--disable-compute-advantages-and-returns: is for --loss-type sft"),
     (["--update-weight-mode", "delta"], "--update-weight-mode delta: delta weight updates"),
     (["--decoder-last-pipeline-num-layers", 1], "needs --pipeline-model-parallel-size > 1"),

@@ -274,6 +274,10 @@ def test_http_generate_roundtrip(server):
     assert meta["prompt_tokens"] > 0
     lps = meta["output_token_logprobs"]
     assert [t for _, t, _ in lps] == body["output_ids"] and all(lp <= 0 and x is None for lp, _, x in lps)
+    # the rollout timeline's split (slime.observability.spans): queue, prefill, the rest is decode
+    assert meta["engine_url"] == url
+    assert 0 <= meta["queue_time"] and 0 < meta["prefill_time"] and meta["queue_time"] + meta["prefill_time"] < \
+        meta["e2e_latency"] < 60
     # same seed via input_ids gives the same sample
     from transformers import AutoTokenizer
 
