@@ -152,9 +152,8 @@ FLAGS: tuple[ScriptFlag, ...] = (
     ScriptFlag("--optimizer", dict(choices=("adam", "sgd"), default="adam"),
                _must_be("adam", "only adam (torch AdamW with --adam-beta1/2, --adam-eps, --weight-decay) is built")),
     ScriptFlag("--use-distributed-optimizer", _switch(),
-               _megatron_only_refused("slime's megatron backend keeps each rank's full AdamW state (no distributed "
-                                      "optimizer yet); the fsdp backend shards it"),
-               stated="with fsdp the optimizer state is sharded over the train ranks"),
+               stated="with fsdp the optimizer state is sharded over the train ranks; with megatron each "
+                      "data-parallel rank keeps and updates its share of the AdamW state (ZeRO-1)"),
     ScriptFlag("--use-precision-aware-optimizer", _switch(),
                _refuse("megatron's precision-aware optimizer (low-precision main weights and moments, Transformer "
                        "Engine FusedAdam) is not built; slime keeps fp32 master weights")),

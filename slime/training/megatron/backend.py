@@ -16,21 +16,23 @@ slices are summed over the TP group, and every TP rank back-propagates the same 
 upstream gradient through the TP-sharded graph - which is what megatron's collectives in
 the tensor-parallel layers assume. Gradients are then summed over the data-parallel group
 and divided by the number of train ranks (the actor multiplies each rank's loss by it, as
-for FSDP's averaging). Pipeline and context parallelism are rejected (see `_check_parallel`).
+for FSDP's averaging). Pipeline parallelism runs megatron-core's schedules (pipeline.py);
+context parallelism is rejected (see `_check_parallel`).
 
-Optimizer: torch AdamW over this rank's (TP-sharded) parameters; gradient clipping uses the
-global norm (TP-sharded parameters summed over the TP group, replicated ones counted once).
-megatron's DistributedDataParallel / DistributedOptimizer are not used (shims.py says why).
+Optimizer: torch AdamW over this rank's (TP-sharded) parameters, or with
+--use-distributed-optimizer slime's ZeRO-1 AdamW (optimizer.py: each data-parallel rank keeps
+and updates its share of the state); gradient clipping uses the global norm (TP-sharded
+parameters summed over the model-parallel group, replicated ones counted once). megatron's
+DistributedDataParallel / DistributedOptimizer are not used (shims.py says why).
 
-Checkpoints: `path/hf` (HF safetensors, rank 0) and `path/train_state/` (one file per TP
-rank with its model shard and AdamW state, written by DP rank 0; resuming needs the same TP
-size, any DP size).
+Checkpoints: `path/hf` (HF safetensors, rank 0) and `path/train_state/`: model and AdamW state
+in megatron's distributed checkpoint format (dist_checkpoint.py), which reshards: a run saved at
+one layout resumes at another (TP, PP, DP size, distributed optimizer or not).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 from pathlib import Path
@@ -47,7 +49,9 @@ from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.training.megatron import shims
+from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
 from slime.training.megatron.model import PipelineLayout, build_model
+from slime.training.megatron.optimizer import ShardedAdamW
 from slime.training.megatron.pipeline import (
     Pipeline,
     batch_inputs,
@@ -55,7 +59,6 @@ from slime.training.megatron.pipeline import (
     gather_stages,
     response_scores,
 )
-from slime.utils.checkpoint_data import load_tensors_file
 from slime.training.megatron.weights import (
     full_mcore_state,
     global_names,
@@ -156,10 +159,13 @@ class MegatronBackend(StepTail):
         self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple) \
             if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.lr)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=self.lr_schedule.lr,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                           weight_decay=args.weight_decay)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        adam = dict(lr=self.lr_schedule.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                    weight_decay=args.weight_decay)
+        # --use-distributed-optimizer: each data-parallel rank keeps the AdamW state of its share of the
+        # parameters and updates them (optimizer.py)
+        self.optimizer = ShardedAdamW(params, self.dp_group, **adam) if args.use_distributed_optimizer \
+            else torch.optim.AdamW(params, **adam)
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
 
     def _check_teacher_shape(self, path: str) -> None:
@@ -414,16 +420,19 @@ class MegatronBackend(StepTail):
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """HF-named full model state (a tied head listed too, like HF's state_dict) and the AdamW
         state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere. Collective."""
-        sd = {k: v.cpu() for k, v in self._hf_full().items()}
+        sd = {k: v.detach().cpu().clone() for k, v in self._hf_full().items()}
         if getattr(self.hf_config, "tie_word_embeddings", False):
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         osd = None
         if optimizer:
             flat = {}  # "name/key": full tensor, then every stage's
+            trained = [(global_names(c)[n], p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
+            states = self.optimizer.full_state(trained, all_ranks=True) \
+                if isinstance(self.optimizer, ShardedAdamW) else {n: self.optimizer.state.get(p, {}) for n, p in trained}
             for chunk in self.chunks:
                 names = global_names(chunk)
                 for name, p in chunk.named_parameters():
-                    st, dim = self.optimizer.state.get(p, {}), partition_dim(p)
+                    st, dim = states.get(names[name], {}), partition_dim(p)
                     for key in ("step", "exp_avg", "exp_avg_sq"):
                         if key in st and not is_tied_duplicate(chunk, name):
                             v = st[key]
@@ -443,38 +452,19 @@ class MegatronBackend(StepTail):
         return sd, osd
 
     def save(self, path: str | Path) -> None:
-        """rank 0: `path/hf` (HF safetensors + config + tokenizer); DP rank 0 of each TP rank:
-        `path/train_state/tp_XX.pt` (model shard + AdamW state). Collective."""
+        """rank 0: `path/hf` (HF safetensors + config + tokenizer); every rank: its shards of the model
+        and AdamW state in megatron's distributed checkpoint format under `path/train_state`, which
+        any other layout (TP, PP, DP size, distributed optimizer or not) loads. Collective."""
         path = Path(path)
         hf = self._hf_full()
         if self.rank == 0:
             self._write_hf(path / "hf", hf)
         del hf
-        state_dir = path / "train_state"
-        if self.dp_rank == 0:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": self.model.state_dict(), "optim": self.optimizer.state_dict()},
-                       state_dir / f"tp_{self.tp_rank:02d}.pt")
-            if self.rank == 0:
-                (state_dir / "megatron.json").write_text(json.dumps({"tensor_model_parallel_size": self.tp}))
-        if self.world_size > 1:
-            dist.barrier()
+        save_train_state(path / "train_state", self.chunks, self.optimizer)
 
     def load(self, path: str | Path) -> None:
-        """Restore this rank's model shard and AdamW state from `path/train_state` (same TP size, any DP)."""
-        state_dir = Path(path) / "train_state"
-        meta = state_dir / "megatron.json"
-        if not meta.is_file():
-            raise FileNotFoundError(f"no megatron training state at {state_dir}")
-        saved_tp = json.loads(meta.read_text())["tensor_model_parallel_size"]
-        if saved_tp != self.tp:
-            raise SlimeConfigError(f"{state_dir} was saved with --tensor-model-parallel-size {saved_tp}, "
-                                   f"this run has {self.tp}; resume with the same size (or start from {path}/hf)")
-        state = load_tensors_file(state_dir / f"tp_{self.tp_rank:02d}.pt", map_location=self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-        if self.world_size > 1:
-            dist.barrier()
+        """Restore this rank's model shards and AdamW state from `path/train_state`, saved at any layout."""
+        load_train_state(Path(path) / "train_state", self.chunks, self.optimizer)
 
     def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
         write_hf_dir(out, self.args.hf_checkpoint, self.hf_config,

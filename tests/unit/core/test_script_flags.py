@@ -110,8 +110,9 @@ def test_script_flags_that_hold_or_take_effect(tiny_model_dir, tmp_path):
     assert "--use-distributed-optimizer: with fsdp the optimizer state is sharded" in said
     with pytest.raises(SlimeConfigError, match="--attention-backend flash: flash needs a CUDA device"):
         make_args(tiny_model_dir, tmp_path, "--attention-backend", "flash")
-    with pytest.raises(SlimeConfigError, match="--use-distributed-optimizer: slime's megatron backend keeps"):
-        make_args(tiny_model_dir, tmp_path, "--train-backend", "megatron", "--use-distributed-optimizer")
+    args = make_args(tiny_model_dir, tmp_path, "--train-backend", "megatron", "--use-distributed-optimizer")
+    assert args.use_distributed_optimizer
+    assert any("with megatron each data-parallel rank keeps" in note for note in args.start_up_notes)
 
 
 def test_megatron_layout_on_fsdp_passes_when_it_splits_the_model(tiny_model_dir, tmp_path):
