@@ -55,7 +55,7 @@ from slime.reward_flags import add_judge_flags, add_reward_flags, validate_judge
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
 from slime.utils.errors import SlimeConfigError
-from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through
+from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through, json_object
 from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, unavailable_message
 from slime.utils.slime_paths import check_args as check_slime_paths
 
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label-key", default=None)
     g.add_argument("--metadata-key", default="metadata")
     g.add_argument("--apply-chat-template", action="store_true")
-    g.add_argument("--apply-chat-template-kwargs", type=config_file.json_object, default=None, metavar="JSON",
+    g.add_argument("--apply-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='a JSON object of keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'')
     g.add_argument("--tool-key", default=None,
                    help="row field with a list of tool schemas for the chat template (kept in metadata['tools'])")

@@ -22,29 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import yaml
 
 from slime.utils.errors import SlimeConfigError
 from slime.utils.flag_parsing import known_flags, similar_flag
+from slime.utils.yaml_fields import read_text
 
 CONFIG_FLAG = "--config"
 PRINT_FLAG = "--print-config"
 COMMAND_LINE_ONLY = (CONFIG_FLAG, PRINT_FLAG, "--help")
 SECRETS = ("engine_api_key", "wandb_key")  # never printed
-
-
-def json_object(text: str) -> dict:
-    """argparse type of a flag whose value is a JSON object (`--apply-chat-template-kwargs`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', "
-                                         f"got {text!r}")
-    return value
 
 
 def config_path(argv: list[str]) -> str | None:
@@ -74,14 +62,7 @@ def _line(node) -> int:
 
 def config_argv(path: str, parser: argparse.ArgumentParser, pass_through: tuple[str, ...]) -> list[str]:
     """The command-line tokens the YAML file at `path` stands for."""
-    file = Path(path)
-    if not file.is_file():
-        raise SlimeConfigError(f"--config: file {path} does not exist")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SlimeConfigError(f"--config: cannot read {path} ({e})") from None
-    loader = yaml.SafeLoader(text)
+    loader = yaml.SafeLoader(read_text(CONFIG_FLAG, path))
     try:
         root = loader.get_single_node()
         if root is None:  # an empty file: no flags

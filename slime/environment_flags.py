@@ -26,29 +26,17 @@ for each bad input: an adapter without `--env-id` or the reverse, a package that
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 from pathlib import Path
 
 from slime.utils.errors import SlimeConfigError
+from slime.utils.flag_parsing import json_object
 
 ADAPTERS = "slime.rollout.environments."
 VERIFIERS_GENERATE = ADAPTERS + "verifiers_env.generate"
 OPENENV_GENERATE = ADAPTERS + "openenv_env.generate"
 VERIFIERS_PIP = "pip install 'verifiers>=0.3.1,<0.4'"  # the classic environment API (load_environment) + clients
 OPENENV_PIP = "pip install openenv-core"
-
-
-def _json_object(text: str) -> dict:
-    """argparse type of --env-args (a JSON object; in a --config file, a mapping)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"turns\": 2}}', got {text!r}")
-    return value
 
 
 def add_environment_flags(p) -> None:
@@ -58,7 +46,7 @@ def add_environment_flags(p) -> None:
                         ".py file with load_environment; OpenEnv: its Environment class (pkg.module.Class or "
                         "file.py:Class). Run by --custom-generate-function-path "
                         f"{VERIFIERS_GENERATE} or {OPENENV_GENERATE}")
-    g.add_argument("--env-args", type=_json_object, default=None, metavar="JSON",
+    g.add_argument("--env-args", type=json_object, default=None, metavar="JSON",
                    help="keyword arguments of the environment (verifiers' load_environment, or the OpenEnv class), "
                         "a JSON object")
     g.add_argument("--env-server", action="store_true",

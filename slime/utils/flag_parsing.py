@@ -5,8 +5,21 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 
 from slime.utils.errors import SlimeConfigError
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a flag whose value is a JSON object (`--apply-chat-template-kwargs`, `--env-args`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                                         f"got {text!r}")
+    return value
 
 
 def known_flags(parser: argparse.ArgumentParser) -> list[str]:

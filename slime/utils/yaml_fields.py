@@ -53,6 +53,17 @@ def _lines(node, field: Field, out: dict) -> None:
             _lines(item, field + (i,), out)
 
 
+def read_text(flag: str, path: str) -> str:
+    """The text of the file `flag` names; a missing or unreadable file is one line."""
+    file = Path(path)
+    if not file.is_file():
+        raise SlimeConfigError(f"{flag}: file {path} does not exist")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SlimeConfigError(f"{flag}: cannot read {path} ({e})") from None
+
+
 class YamlFile:
     """A parsed YAML file and the line of each of its fields."""
 
@@ -62,14 +73,7 @@ class YamlFile:
     @classmethod
     def load(cls, flag: str, path: str) -> "YamlFile":
         """Read `path` (named by `flag`); a missing or unreadable file, or malformed YAML, is one line."""
-        file = Path(path)
-        if not file.is_file():
-            raise SlimeConfigError(f"{flag}: file {path} does not exist")
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SlimeConfigError(f"{flag}: cannot read {path} ({e})") from None
-        loader = yaml.SafeLoader(text)
+        loader = yaml.SafeLoader(read_text(flag, path))
         try:
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else None

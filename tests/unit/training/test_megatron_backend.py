@@ -50,7 +50,13 @@ def _gqa_model(tiny_model_dir, out, kind):
         cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
     elif kind == "qwen2_untied":  # q/k/v biases; an untied output layer (vocabulary-parallel)
         cfg, cls = Qwen2Config(**{**common, "tie_word_embeddings": False}), Qwen2ForCausalLM
-    torch.manual_seed(3)
+    return _save_variant(cls, cfg, 3, tiny_model_dir, out)
+
+
+def _save_variant(cls, cfg, seed, tiny_model_dir, out):
+    """A random model of `cls(cfg)` with non-trivial norms (and biases), saved with the tiny model's
+    tokenizer files."""
+    torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32)
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -193,17 +199,7 @@ def _four_layer_model(tiny_model_dir, out, tied: bool):
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     cfg.num_hidden_layers, cfg.tie_word_embeddings = 4, tied
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
-    for f in Path(tiny_model_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
-            shutil.copy2(f, out / f.name)
-    return str(out)
+    return _save_variant(LlamaForCausalLM, cfg, 5, tiny_model_dir, out)
 
 
 def _train_layouts(model_dir, tmp_path, layouts, batch, extra=()):
@@ -230,8 +226,9 @@ def _train_layouts(model_dir, tmp_path, layouts, batch, extra=()):
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_session):
     """PP 2 (1F1B) and PP 2 with 2 virtual stages (interleaved), tied embeddings; PP 2 with an uneven
-    split (1 + 3 layers), untied output layer; each against one rank: the same metrics, weights and AdamW state after four steps.
-    A tied embedding lives on both end stages and must train as one weight."""
+    split (1 + 3 layers), untied output layer; each against one rank: the same metrics, weights and
+    AdamW state after four steps. A tied embedding lives on both end stages and must train as one
+    weight."""
     model_dir = _four_layer_model(tiny_model_dir, tmp_path / "four", tied)
     batch = synthetic_batch(model_dir, 8, seed=15)
     pp = ["--pipeline-model-parallel-size", 2]
