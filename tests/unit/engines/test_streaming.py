@@ -54,8 +54,13 @@ def stream(url: str, path: str, payload: dict) -> list[dict]:
         return parse_sse(r.read().decode("utf-8"))
 
 
+# per-request values: the request id, and the timings a non-streamed response carries for the rollout
+# timeline (streamed events carry none)
+VOLATILE = ("id", "queue_time", "prefill_time", "e2e_latency", "engine_url")
+
+
 def _no_id(resp: dict) -> dict:
-    return {**resp, "meta_info": {k: v for k, v in resp["meta_info"].items() if k != "id"}}
+    return {**resp, "meta_info": {k: v for k, v in resp["meta_info"].items() if k not in VOLATILE}}
 
 
 def _close(a: list[float], b: list[float]) -> bool:

@@ -254,10 +254,11 @@ def test_a_cancellation_while_starting_leaves_nothing_behind():
     the pipes): every process seen under this one is gone and reaped afterwards."""
     async def main(delay):
         seen = {}
+        before = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' servers
         task = asyncio.ensure_future(sb.run(sb.python_argv("import time\ntime.sleep(30)", 32), sb.Limits(timeout=10)))
         end = asyncio.get_running_loop().time() + delay
         while asyncio.get_running_loop().time() < end:
-            seen.update((p.pid, p) for p in psutil.Process().children(recursive=True))
+            seen.update((p.pid, p) for p in psutil.Process().children(recursive=True) if p.pid not in before)
             await asyncio.sleep(0.001)
         task.cancel()
         cancelled = asyncio.get_running_loop().time()
