@@ -23,11 +23,12 @@ from __future__ import annotations
 import re
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from slime.algorithms.losses import POLICY_LOSSES
 from slime.algorithms.off_policy import POLICY_LOSS_TYPES, SAPO_TAU_NEG, SAPO_TAU_POS, TIS_MODES
 from slime.utils.errors import SlimeConfigError
+from slime.utils.vision import is_vision_config
 
 OPSM_DELTA = 1e-4  # original slime's default
 
@@ -95,7 +96,9 @@ def matching_names(names: list[str], patterns: list[str], flag: str = "--freeze-
 def _hf_parameter_names(hf_checkpoint: str) -> list[str]:
     """The checkpoint's causal LM parameter names, from a model on the meta device (no memory)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_checkpoint))
+        config = AutoConfig.from_pretrained(hf_checkpoint)
+        cls = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+        model = cls.from_config(config)
     return [n for n, _ in model.named_parameters()]
 
 

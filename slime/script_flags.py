@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from slime.utils.flag_parsing import json_object
 
 FSDP_ATTENTION = {"auto": "sdpa", "fused": "sdpa", "unfused": "eager", "local": "eager", "flash": "flash_attention_2"}
 
@@ -57,12 +61,32 @@ def _needs(cond: Callable, why: str):
     return lambda args, value, moe: None if cond(args) else why
 
 
+def _multimodal_keys(args, value, moe):
+    """--multimodal-keys '{"image": COLUMN}': a vision-language checkpoint, the FSDP trainer, chat prompts."""
+    if set(value) != {"image"} or not isinstance(value["image"], str) or not value["image"]:
+        return f"must map \"image\" to the dataset column of the images, e.g. '{{\"image\": \"images\"}}', " \
+               f"got {value!r}"
+    if args.train_backend == "megatron":
+        return "images are built for --train-backend fsdp only"
+    if not args.apply_chat_template:
+        return "needs --apply-chat-template (the chat template places the images in the prompt)"
+    config = Path(args.hf_checkpoint or "") / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        if not (cfg.get("vision_config") and cfg.get("image_token_id") is not None):
+            return f"{args.hf_checkpoint} is a text-only model ({cfg.get('model_type')}); it takes no images"
+    return None
+
+
 def _megatron_only_refused(why: str):
     return lambda args, value, moe: why if args.train_backend == "megatron" else None
 
 
-def _moe_flag(why_megatron: str = "slime's megatron backend has no mixture-of-experts layers yet; use "
-                                  "--train-backend fsdp"):
+MOE_KERNEL = ("needs GPU kernels that slime's megatron MoE layers do not use (megatron's SequentialMLP experts, "
+              "the all-to-all / all-gather token dispatcher); leave it out")
+
+
+def _moe_flag(why_megatron: str | None = None):
     def rule(args, value, moe):
         if not moe:
             return "applies to mixture-of-experts models only, and the checkpoint has no experts"
@@ -99,8 +123,6 @@ def _expert_parallel(args, value, moe):
         return None
     if not moe:
         return "expert parallelism needs a mixture-of-experts model, and the checkpoint has no experts"
-    if args.train_backend == "megatron":
-        return "slime's megatron backend has no mixture-of-experts layers yet; use --train-backend fsdp"
     if args.dp_size % value:
         return f"must divide the {args.dp_size} train ranks"
     return None
@@ -161,12 +183,17 @@ FLAGS: tuple[ScriptFlag, ...] = (
                _needs(lambda a: a.optimizer_cpu_offload, "needs --optimizer-cpu-offload"),
                stated="FSDP2's CPU offload overlaps its copies with compute"),
     # mixture of experts: routing and kernels (the architecture flags are in slime.model_flags)
-    ScriptFlag("--moe-grouped-gemm", _switch(), _moe_flag(),
+    ScriptFlag("--moe-grouped-gemm", _switch(), _moe_flag(MOE_KERNEL),
                stated="the Hugging Face MoE block computes every expert; the numbers do not depend on the kernel"),
-    ScriptFlag("--moe-permute-fusion", _switch(), _moe_flag(), stated="a kernel choice of megatron's MoE layer"),
-    ScriptFlag("--moe-enable-deepep", _switch(), _moe_flag(), stated="a dispatch kernel of megatron's MoE layer"),
+    ScriptFlag("--moe-permute-fusion", _switch(), _moe_flag(MOE_KERNEL),
+               stated="a kernel choice of megatron's MoE layer"),
+    ScriptFlag("--moe-enable-deepep", _switch(), _moe_flag(MOE_KERNEL),
+               stated="a dispatch kernel of megatron's MoE layer"),
     ScriptFlag("--moe-token-dispatcher-type", dict(choices=("allgather", "alltoall", "flex"), default=None),
-               _moe_flag(), stated="a dispatch scheme of megatron's MoE layer; FSDP shards whole experts"),
+               lambda a, v, moe: _moe_flag()(a, v, moe) or (MOE_KERNEL if v == "flex" and a.train_backend == "megatron"
+                                                              else None),
+               stated="a dispatch scheme, not a change of the numbers (the megatron backend dispatches all-to-all "
+                      "under expert parallelism, all-gather without; FSDP shards whole experts)"),
     ScriptFlag("--moe-token-drop-policy", dict(choices=("probs", "position"), default=None), _moe_flag(),
                stated="routing is dropless (no capacity factor), so no token is dropped"),
     ScriptFlag("--moe-router-dtype", dict(choices=("fp32", "fp64"), default=None),
@@ -193,7 +220,8 @@ FLAGS: tuple[ScriptFlag, ...] = (
                _megatron_only_refused("deterministic trainer reductions are built for --train-backend fsdp only"),
                stated="batch-invariant engine numerics and deterministic trainer algorithms: the same --seed gives "
                       "bitwise-identical rollouts, log-probs and metrics (docs/reproducibility.md)"),
-    ScriptFlag("--multimodal-keys", dict(default=None), _refuse("vision-language inputs are not built yet")),
+    ScriptFlag("--multimodal-keys", dict(type=json_object, default=None, metavar="JSON"), _multimodal_keys,
+               stated="images in prompts for Qwen2-VL / Qwen2.5-VL models (docs/vlm.md)"),
     ScriptFlag("--loss-mask-type", dict(choices=("qwen", "qwen3", "qwen3_5", "distill_qwen"), default=None),
                stated="slime derives loss masks from the tokenizer's own chat template, for every model family"),
     ScriptFlag("--prefill-num-servers", dict(type=int, default=None),

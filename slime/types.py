@@ -48,6 +48,9 @@ class Sample:
     # --use-rollout-routing-replay: the experts the engine routed every token but the last to,
     # Tensor[len(tokens) - 1 (or fewer: tokens appended after the last engine call), MoE layers x top-k] int32
     rollout_routed_experts: Any = None
+    # vision-language models (--multimodal-keys): the prompt's images, as sources (paths, file:// or data:
+    # URLs, base64; slime.utils.vision), in the order of their slots in the prompt
+    images: list[str] | None = None
     reward: float | dict[str, float] | None = None
     # a dict reward as the reward function returned it; `reward` is then its --reward-key entry
     reward_dict: dict[str, Any] | None = None
@@ -147,6 +150,8 @@ class RolloutBatch:
     teacher_log_probs: list[list[float] | None] | None = None
     # --use-rollout-routing-replay: each sample's engine routing (Sample.rollout_routed_experts)
     routed_experts: list[Any] | None = None
+    # vision-language models: each sample's image sources (Sample.images; None for a sample without)
+    images: list[list[str] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

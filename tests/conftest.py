@@ -32,6 +32,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (vision tower + text model), its tokenizer and image processor."""
+    from slime.utils.tiny_model import build_tiny_vl_model
+
+    return str(build_tiny_vl_model(tmp_path_factory.mktemp("tiny_vl_model"), seed=0))
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_model_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE model (2 MoE layers, 4 experts, top-2) with the tiny model's tokenizer."""
     from slime.utils.tiny_model import build_tiny_moe_model

@@ -5,7 +5,8 @@ A row's prompt (under `--input-key`) is a string or a list of chat messages
 the tokenizer's chat template (a string becomes one user message), with the template variables of
 `--apply-chat-template-kwargs` (e.g. `{"enable_thinking": false}`). The label
 (`--label-key`) and metadata (`--metadata-key`, a dict) travel with the sample.
-Every error names the file and the line (JSONL) or row (Parquet) and the field.
+With `--multimodal-keys '{"image": COLUMN}'` a row's images (slime.data.images) go into the
+prompt's image slots. Every error names the file and the line (JSONL) or row (Parquet) and the field.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterator
 
 import pyarrow.parquet as pq
 
+from slime.data.images import RowImages
 from slime.utils.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class Prompt:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     where: str = ""  # "file:line" for messages
+    images: list[str] | None = None  # --multimodal-keys: the image sources, in slot order
 
 
 def read_rows(path: Path) -> Iterator[tuple[str, dict]]:
@@ -160,30 +163,39 @@ def load_prompts(
     max_prompt_len: int | None = None,
     tool_key: str | None = None,
     chat_template_kwargs: dict | None = None,
+    multimodal_keys: dict | None = None,
 ) -> list[Prompt]:
     """Read and tokenize every row; prompts over `max_prompt_len` tokens are dropped with a counted warning.
 
     `path` may end in a row slice, `data.jsonl@[start:end]` (Python slice bounds, either may be
     omitted or negative), to use part of a file. A row's `tool_key` field (a list of tool schemas)
     goes to the chat template and into the sample's metadata as `tools`; `chat_template_kwargs`
-    (`--apply-chat-template-kwargs`) are the chat template's keyword arguments.
+    (`--apply-chat-template-kwargs`) are the chat template's keyword arguments. `multimodal_keys`
+    (`--multimodal-keys`, {"image": column}): the row's images go into the prompt (slime.data.images).
     """
     path, rows = split_slice(str(path))
     if not path.is_file():
         raise DataError(f"{path}: prompt file does not exist")
+    row_images = RowImages(tokenizer, multimodal_keys, path) if multimodal_keys else None
     prompts: list[Prompt] = []
     too_long = 0
     for where, row in list(read_rows(path))[rows]:
         prompt, label, metadata, tools = row_fields(where, row, input_key, label_key, metadata_key,
                                                     apply_chat_template, tool_key)
-        text = render_prompt(tokenizer, prompt, apply_chat_template, tools, chat_template_kwargs)
-        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        images = row_images.sources(where, row) if row_images else None
+        shown = row_images.place(where, prompt, len(images), apply_chat_template) if images else prompt
+        text = render_prompt(tokenizer, shown, apply_chat_template, tools, chat_template_kwargs)
+        if images:
+            input_ids = row_images.encode(where, text, images)
+        else:
+            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not input_ids:
             raise DataError(f"{where}: field {input_key!r} is empty after tokenization")
         if max_prompt_len is not None and len(input_ids) > max_prompt_len:
             too_long += 1
             continue
-        prompts.append(Prompt(prompt=prompt, input_ids=input_ids, label=label, metadata=metadata, where=where))
+        prompts.append(Prompt(prompt=prompt, input_ids=input_ids, label=label, metadata=metadata, where=where,
+                              images=images or None))
     if too_long:
         logger.warning("%s: dropped %d prompts longer than --rollout-max-prompt-len %s", path, too_long, max_prompt_len)
     if not prompts:

@@ -127,7 +127,8 @@ _NOT_CONTENT = {"input_ids", "tokens", "loss_mask", "where"}  # derived from the
 
 def prompt_sample(p: Prompt) -> Sample:
     """A fresh Sample for prompt `p` (index and group index are set by the rollout)."""
-    return Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), tokens=list(p.input_ids))
+    return Sample(prompt=p.prompt, label=p.label, metadata=dict(p.metadata), tokens=list(p.input_ids),
+                  images=list(p.images) if p.images else None)
 
 
 class RolloutDataSource:
@@ -142,7 +143,7 @@ class RolloutDataSource:
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompts = load_prompts(args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
                                    args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,
-                                   args.apply_chat_template_kwargs)
+                                   args.apply_chat_template_kwargs, args.multimodal_keys)
         self.prompts = PromptOrder(prompts, shuffle=args.rollout_shuffle, seed=args.rollout_seed)
         self.to_sample = to_sample
         self.buffer: list[list[Sample]] = []
@@ -197,5 +198,6 @@ def make_data_source(args, tokenizer) -> DataSource | None:
     if args.prompt_data is not None:
         return RolloutDataSource(args, load_prompts(
             args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
-            args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key, args.apply_chat_template_kwargs))
+            args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key, args.apply_chat_template_kwargs,
+            args.multimodal_keys))
     return None

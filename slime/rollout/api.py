@@ -160,12 +160,16 @@ def _routed_experts(meta: dict, rows: int):
     return flat.reshape(rows, -1)
 
 
-async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=None) -> EngineOutput:
-    """Continue `input_ids` with one `/generate` call through the router (token ids in and out)."""
+async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=None,
+                          image_data: list | None = None) -> EngineOutput:
+    """Continue `input_ids` with one `/generate` call through the router (token ids in and out);
+    `image_data`: the prompt's images (a vision-language model's `Sample.images`)."""
     engines = engines if engines is not None else context().engines
     started = time.time()
-    out = await engines.generate({"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                                  "return_logprob": True})
+    body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
+    if image_data:
+        body["image_data"] = list(image_data)
+    out = await engines.generate(body)
     finished = time.time()
     out = parse_engine_output(out)
     out.started, out.finished = started, finished
@@ -186,7 +190,7 @@ async def continue_sample(sample: Sample, sampling_params: dict, engines=None) -
     """Generate from everything the sample holds so far (prompt and earlier turns), append the new
     tokens as model tokens (loss mask 1, log-probs kept) and set the sample's status and weight
     version from this call. Returns the call's output (its `text` is this turn's text)."""
-    out = await generate_tokens(sample.tokens, sampling_params, engines)
+    out = await generate_tokens(sample.tokens, sampling_params, engines, image_data=sample.images)
     record_engine_call(sample, out)
     sample.append_model_tokens(out.output_ids, out.log_probs)
     if out.routed_experts is not None:  # every token's experts so far (this call saw the whole sequence)

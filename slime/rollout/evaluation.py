@@ -56,7 +56,7 @@ def load_eval_sets(args, tokenizer) -> dict[str, EvalSet]:
     """Every eval set's prompts, read with the set's own keys (data errors name the file and line)."""
     return {d.name: EvalSet(d, load_prompts(d.path, tokenizer, d.input_key, d.label_key, d.metadata_key,
                                             args.apply_chat_template, args.rollout_max_prompt_len, d.tool_key,
-                                            args.apply_chat_template_kwargs))
+                                            args.apply_chat_template_kwargs, args.multimodal_keys))
             for d in args.eval_datasets}
 
 

@@ -96,6 +96,7 @@ def to_train_batch(args, samples: list[Sample], post_process: Callable | None) -
         group_indices=[s.group_index for s in samples],
         teacher_log_probs=teacher_log_probs(samples, masks) if args.opd_served else None,
         routed_experts=[s.rollout_routed_experts for s in samples] if args.use_rollout_routing_replay else None,
+        images=[s.images for s in samples] if any(s.images for s in samples) else None,
     )
 
 

@@ -211,7 +211,8 @@ class TrainActor:
     def _mb(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         routed = batch.routed_experts if self.args.use_rollout_routing_replay else self._recorded_routing
         return MicroBatch([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx],
-                          [routed[i] for i in idx] if routed is not None else None)
+                          [routed[i] for i in idx] if routed is not None else None,
+                          [batch.images[i] for i in idx] if batch.images is not None else None)
 
     @staticmethod
     def _masks(batch: RolloutBatch) -> list[Tensor]:

@@ -40,6 +40,8 @@ class MicroBatch:
     # MoE routing replay: per sample the experts to force, Tensor[<= T_i - 1, L * K or L, K] (the
     # engine's with --use-rollout-routing-replay, the old-policy forward's with --use-routing-replay)
     routed_experts: list | None = None
+    # vision-language models: per sample its image sources (None: no image), in its image slots' order
+    images: list | None = None
 
 
 # loss_fn(k, out Tensor[N_k], entropy Tensor[N_k] | None) -> scalar loss of micro-batch k (see train_step)

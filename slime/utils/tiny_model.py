@@ -21,11 +21,14 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -137,13 +140,66 @@ def build_tiny_moe_model(output_dir: str | Path, seed: int = 0, family: str = "q
     return output_dir
 
 
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# ChatML whose message content may be a list of parts: {"type": "image"} becomes Qwen-VL's image slot
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_vl_model(output_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen2_5_VLForConditionalGeneration, the tiny tokenizer plus Qwen-VL's vision
+    tokens, and a Qwen2.5-VL processor (14-pixel patches merged 2x2; images resized to at most
+    112x112 pixels, i.e. at most 16 image tokens) to `output_dir` and return it."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]},
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        ),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    image_processor.save_pretrained(output_dir)  # with the tokenizer: what slime.utils.vision loads
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random model + tokenizer for tests and --tiny runs.")
     parser.add_argument("output_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--moe", choices=MOE_FAMILIES, default=None, help="a mixture-of-experts model of this family")
+    parser.add_argument("--vl", action="store_true", help="a tiny Qwen2.5-VL (vision-language) model")
     args = parser.parse_args()
-    if args.moe:
+    if args.vl:
+        print(build_tiny_vl_model(args.output_dir, seed=args.seed))
+    elif args.moe:
         print(build_tiny_moe_model(args.output_dir, seed=args.seed, family=args.moe))
     else:
         print(build_tiny_model(args.output_dir, seed=args.seed))

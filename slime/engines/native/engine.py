@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from slime.engines.native import batch_invariant
 from slime.engines.native.kv_cache import BatchKV, default_max_total_tokens, kv_bytes_per_token, peak_kv_tokens
@@ -56,7 +56,9 @@ from slime.engines.native.logprobs import logprob_options, record_output_top, sc
 from slime.engines.native.requests import Callback, GenerationResult, Request, TokenHook, eos_token_ids
 from slime.engines.native.routing import EngineRouting
 from slime.engines.native.sampling import request_seed, sample_next_tokens
+from slime.engines.native import vision
 from slime.engines.native.weights import EngineWeights
+from slime.utils.vision import load_lm
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -114,14 +116,14 @@ class NativeEngine(EngineWeights, EngineLora):
 
         major_minor = tuple(int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, attn_implementation="sdpa", **{dtype_kw: self.dtype}
-        )
+        self.model = load_lm(self.model_path, attn_implementation="sdpa", **{dtype_kw: self.dtype})
         self.model.to(self.device).eval()
         cfg = self.model.config
+        self.vision = vision.processor_of(self)  # images (Qwen-VL models; vision.py), None when text-only
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.num_layers = int(cfg.get_text_config(decoder=True).num_hidden_layers)
-        self.max_context_length = int(context_length or getattr(cfg, "max_position_embeddings", None) or 4096)
+        self.max_context_length = int(context_length or getattr(cfg.get_text_config(decoder=True),
+                                                                      "max_position_embeddings", None) or 4096)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model)
         pad = self.tokenizer.pad_token_id
         if pad is None or not (0 <= pad < self.vocab_size):
@@ -197,8 +199,10 @@ class NativeEngine(EngineWeights, EngineLora):
         token as it is sampled, except the one that ends the request (that one arrives only in
         the result): so a streamer never shows a stop token or the token completing a stop
         string. It must be quick and must not block (e.g. `loop.call_soon_threadsafe`). `routed_experts`:
-        the result carries the experts each token was routed to (`routing.py`; `routing.check` first)."""
+        the result carries the experts each token was routed to (`routing.py`; `routing.check` first).
+        `inp.image_data`: decoded here unless `vision.prepare` already did (on the server's prepare thread)."""
         assert inp.input_ids is not None, "tokenize text before submit"
+        pixels = vision.prepare(self, inp)
         sp = inp.sampling_params
         gen = None
         seed = request_seed(self.random_seed, inp.rid) if sp.seed is None and self.deterministic else sp.seed
@@ -207,6 +211,7 @@ class NativeEngine(EngineWeights, EngineLora):
             gen.manual_seed(seed % (2**64))
         req = Request(rid=inp.rid, input_ids=list(inp.input_ids), params=sp, callback=callback, generator=gen,
                       on_token=on_token, lora_name=inp.lora_name, routed=[] if routed_experts else None,
+                      image_sources=inp.image_data if pixels is not None else None, pixels=pixels,
                       **logprob_options(inp))
         if sp.max_new_tokens == 0 and not req.scores_prompt and req.routed is None:  # nothing to compute
             self._finish(req, finish_length(0))
@@ -247,6 +252,7 @@ class NativeEngine(EngineWeights, EngineLora):
         rid: str | None = None,
         timeout: float | None = 600.0,
         lora_name: str | None = None,
+        image_data: list | None = None,
     ) -> GenerationResult:
         """Blocking convenience wrapper around `submit` (for in-process use and tests)."""
         sp = sampling_params if isinstance(sampling_params, SamplingParams) else parse_sampling_params(sampling_params)
@@ -261,7 +267,7 @@ class NativeEngine(EngineWeights, EngineLora):
             done.set()
 
         self.submit(GenerateInput(rid=rid or uuid.uuid4().hex, sampling_params=sp, input_ids=list(input_ids),
-                                  lora_name=lora_name), cb)
+                                  lora_name=lora_name, image_data=image_data), cb)
         if not done.wait(timeout):
             raise TimeoutError(f"generation did not finish within {timeout}s")
         res, err = box[0]
@@ -418,7 +424,8 @@ class NativeEngine(EngineWeights, EngineLora):
             self._finish(r, r.finish)
         admitted = score_prompts(self, [r for r in admitted if r.finish is None])  # prompt-only ones finish here
         if admitted:
-            self._prefill(admitted)
+            for group in vision.prefill_groups(admitted):  # images: each prompt alone (vision.py)
+                self._prefill(group)
             self._retire()
         else:
             with self._cv:
@@ -459,7 +466,9 @@ class NativeEngine(EngineWeights, EngineLora):
             row_of.append(uniq[key])
         n = len(prompts)
         with self.routing.record(reqs) as rec:
-            if self.deterministic:
+            if reqs[0].pixels is not None:  # one prompt with images (vision.prefill_groups)
+                kv, logits = vision.prefill_one(self, reqs)
+            elif self.deterministic:
                 kv, logits = batch_invariant.prefill_rows(self, prompts, loras)
             else:
                 kv, logits = self._prefill_batch(prompts, loras)
@@ -479,7 +488,7 @@ class NativeEngine(EngineWeights, EngineLora):
             self._last_tokens = torch.cat([self._last_tokens, tokens], 0)
         with self._cv:
             self._running.extend(reqs)
-            self._admitting = []
+            self._admitting = [r for r in self._admitting if all(r is not q for q in reqs)]
             self._max_batch = max(self._max_batch, len(self._running))
         self._note_kv()
         self._append_tokens(reqs, tokens)
@@ -525,7 +534,7 @@ class NativeEngine(EngineWeights, EngineLora):
         """One batched decode step: the running rows' next-token logits [B, V] float."""
         kv = self._kv
         kv.reserve_column(self.max_total_tokens)
-        pos = kv.positions()
+        pos = vision.decode_positions(kv.positions(), self._running)
         kv.append_column()
         with self._lora_rows([r.lora_name for r in self._running]):
             out = self.model(

@@ -207,6 +207,7 @@ def peak_kv_tokens(rows: list[tuple[int, int]]) -> int:
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    cfg = cfg.get_text_config(decoder=True)  # a vision-language model's KV is its text model's
     layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
     heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)

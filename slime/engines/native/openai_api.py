@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from slime.engines.control import Route
+from slime.engines.native import vision
 from slime.engines.native.http import ENGINE_KEY, submit, tokenize
 from slime.engines.native.limits import ADMISSION_KEY, Admission
 from slime.engines.native.openai_stream import (
@@ -170,27 +171,42 @@ def _template_kwargs(body: dict, adm: Admission) -> dict:
     return kwargs
 
 
-def _messages_to_ids(body: dict, tokenizer, adm: Admission) -> list[int]:
+def _image_url(part: dict, name: str) -> str:
+    """The URL of an OpenAI `image_url` part (a file path, file:// or data: URL, or base64)."""
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise ProtocolError(name, 'must be {"url": "data:image/...;base64,..."} (or a file path / file:// URL)')
+    return url
+
+
+def _messages_to_ids(body: dict, tokenizer, adm: Admission, engine=None) -> tuple[list[int], list | None]:
+    """(prompt ids, the images of `image_url` parts prepared for the engine (vision.py), or None)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ProtocolError("messages", "must be a non-empty list of {role, content} objects")
-    clean = []
+    clean, images = [], []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise ProtocolError(f"messages[{i}]", "must be an object with role and content")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise ProtocolError(f"messages[{i}].role", "must be a non-empty string")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image_url", ...}, ...]
+            parts, typed = [], []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    images.append(_image_url(part, f"messages[{i}].content[{j}].image_url"))
+                    typed.append({"type": "image"})
+                    continue
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ProtocolError(f"messages[{i}].content[{j}]", "only text parts are supported")
+                    raise ProtocolError(f"messages[{i}].content[{j}]", "only text and image_url parts are supported")
                 parts.append(part["text"])
-            content = "".join(parts)
+                typed.append({"type": "text", "text": part["text"]})
+            content = typed if len(typed) > len(parts) else "".join(parts)
         if content is None and role == "assistant":
             content = ""
-        if not isinstance(content, str):
+        if not isinstance(content, (str, list)):
             raise ProtocolError(f"messages[{i}].content", "must be a string or a list of text parts")
         clean.append({**{k: v for k, v in m.items() if k not in ("content",)}, "content": content})
     kwargs = _template_kwargs(body, adm)
@@ -199,10 +215,15 @@ def _messages_to_ids(body: dict, tokenizer, adm: Admission) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None and "chat_template" not in kwargs:
         raise ProtocolError("messages", "the model's tokenizer has no chat template; use /v1/completions")
     try:
-        ids = tokenizer.apply_chat_template(clean, tokenize=True, add_generation_prompt=bool(agp),
+        ids = tokenizer.apply_chat_template(clean, tokenize=not images, add_generation_prompt=bool(agp),
                                             continue_final_message=cont, return_dict=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
         raise ProtocolError("messages", f"chat template failed: {type(e).__name__}: {e}") from None
+    prepared = None
+    if images:  # the rendered text's image slots expanded to the images' tokens (vision.py)
+        gi = GenerateInput(rid="", sampling_params=SamplingParams(), text=ids, image_data=images)
+        vision.prepare(engine, gi, "messages")
+        ids, prepared = tokenizer(gi.text, add_special_tokens=False)["input_ids"], gi.image_data
     if isinstance(ids, dict):
         ids = ids["input_ids"]
     if hasattr(ids, "tolist"):
@@ -210,11 +231,11 @@ def _messages_to_ids(body: dict, tokenizer, adm: Admission) -> list[int]:
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     adm.check_prompt_tokens(len(ids), "messages")
-    return list(ids)
+    return list(ids), prepared
 
 
 def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n: int,
-            max_tokens_key: str, lora_name: str | None = None) -> list[GenerateInput]:
+            max_tokens_key: str, lora_name: str | None = None, images: list | None = None) -> list[GenerateInput]:
     """Validate; the n samples of every prompt as engine inputs (prompt-major)."""
     inputs = []
     for name, ids in prompts:
@@ -229,7 +250,7 @@ def _inputs(engine, prompts: list[tuple[str, list[int]]], sp: SamplingParams, n:
             if n > 1 and psp.seed is not None:
                 s = SamplingParams(**{**psp.__dict__, "seed": psp.seed + i})
             inputs.append(GenerateInput(rid=uuid.uuid4().hex, sampling_params=s, input_ids=ids, return_logprob=True,
-                                        lora_name=lora_name))
+                                        lora_name=lora_name, image_data=images))
     return inputs
 
 
@@ -323,10 +344,10 @@ def _prepare_chat(engine, adm: Admission, raw: bytes):
     if tl not in (None, 0):
         raise ProtocolError("top_logprobs", "only 0 is supported (top alternatives are not computed)")
     model = _model_name(engine, body)
-    ids = _messages_to_ids(body, engine.tokenizer, adm)
+    ids, images = _messages_to_ids(body, engine.tokenizer, adm, engine)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     prompts = [("messages", ids)]
-    inputs = _inputs(engine, prompts, sp, n, key, _lora_of(engine, model))
+    inputs = _inputs(engine, prompts, sp, n, key, _lora_of(engine, model), images)
     return stream, include_usage, lp, model, ids, prompts, n, inputs
 
 

@@ -61,6 +61,10 @@ class Request:
     input_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num, the same positions
     output_top: list = field(default_factory=list)  # [(logprob, id)] x top_logprobs_num per output token
     routed: list[torch.Tensor] | None = None  # with return_routed_experts: its rows [n, layers, top-k] (`routing.py`)
+    # with image_data (`vision.py`): the sources, their pixel inputs, and the rope delta of its decode positions
+    image_sources: list | None = None
+    pixels: dict | None = None
+    rope_delta: int = 0
     finish: dict | None = None
     aborted: bool = False
     done: bool = False

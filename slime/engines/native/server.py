@@ -32,6 +32,7 @@ from slime.engines.native.openai_api import OPENAI_HANDLERS
 from slime.engines.native.requests import GenerationResult
 from slime.engines.native.routing import FIELD as ROUTED_EXPERTS, pop_routed_experts, routed_experts_flags
 from slime.engines.native.streaming import pop_stream_flag, stream_generate
+from slime.engines.native import vision
 from slime.engines.native.weights import safetensors_header
 from slime.engines.protocol import (
     GenerateInput,
@@ -140,6 +141,7 @@ def _prepare_generate(engine: NativeEngine, adm: Admission, raw: bytes):
     field = "input_ids" if inputs[0].text is None else "text"
     for k, inp in enumerate(inputs):
         name = f"{field}[{k}]" if is_batch else field
+        vision.prepare(engine, inp, f"image_data[{k}]" if is_batch else "image_data")  # images: decoded here
         if inp.text is not None:
             inp.input_ids = tokenize(engine.tokenizer, inp.text, name)
         adm.check_prompt_tokens(len(inp.input_ids), name)

@@ -35,15 +35,15 @@ class GenerateInput:
     lora_name: str | None = None  # a loaded LoRA adapter (`lora_path` of the request); None: the base model
     logprob_start_len: int = -1  # with return_logprob: prompt log-probs from this position (-1: SGLang's default)
     top_logprobs_num: int = 0  # with return_logprob: the N most likely tokens per position (`logprobs.py`)
+    image_data: list | None = None  # the prompt's images (paths, file:// or data: URLs, base64), in slot order
 
 
 # Top-level keys of POST /generate. Keys after the first block are accepted only at
 # their neutral value (they exist in SGLang; the native engine does not implement them).
 _TOP_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "return_text_in_logprobs", "lora_path",
-             "logprob_start_len", "top_logprobs_num"}
+             "logprob_start_len", "top_logprobs_num", "image_data"}
 _NEUTRAL_TOP_KEYS = {
     "stream": False,
-    "image_data": None,
     "custom_logit_processor": None,
     "return_hidden_states": False,
     "bootstrap_host": None,
@@ -106,6 +106,25 @@ def _check_ids(ids: Any, name: str, max_tokens: int | None = None) -> list[int]:
         if not is_int(x) or x < 0:
             raise ProtocolError(f"{name}[{i}]", f"must be a non-negative integer token id, got {x!r}")
     return ids
+
+
+def _image_list(v: Any, name: str) -> list | None:
+    """One prompt's images: None, one image (a string) or a list of strings."""
+    if v is None or v == []:
+        return None
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+        raise ProtocolError(name, "must be an image (a path, file:// or data: URL, or base64 string) or a list of them")
+    return list(items)
+
+
+def _image_data(v: Any, n: int, is_batch: bool) -> list:
+    """SGLang's `image_data`: for one prompt an image or a list of images; for a batch one entry per prompt."""
+    if not is_batch or v is None:
+        return [_image_list(v, "image_data")] * n
+    if not isinstance(v, list) or len(v) != n:
+        raise ProtocolError("image_data", "for a batch, image_data must be a list with one entry per prompt")
+    return [_image_list(x, f"image_data[{i}]") for i, x in enumerate(v)]
 
 
 def check_prompt_length(num_tokens: int, max_tokens: int, name: str) -> None:
@@ -222,10 +241,11 @@ def parse_generate_request(body: Any, max_prompts: int | None = None,
 
     loras = _lora_names(body.get("lora_path"), n, is_batch)
     lp_options = parse_logprob_options(body, n, is_batch)
+    images = _image_data(body.get("image_data"), n, is_batch)
     inputs = []
-    for (kind, prompt), sp, rl, r, lora, (start, top) in zip(prompts, sps, rls, rids, loras, lp_options):
+    for (kind, prompt), sp, rl, r, lora, (start, top), im in zip(prompts, sps, rls, rids, loras, lp_options, images):
         gi = GenerateInput(rid=r, sampling_params=sp, return_logprob=rl, return_text_in_logprobs=rtl, lora_name=lora,
-                           logprob_start_len=start, top_logprobs_num=top)
+                           logprob_start_len=start, top_logprobs_num=top, image_data=im)
         if kind == "ids":
             gi.input_ids = list(prompt)
         else:

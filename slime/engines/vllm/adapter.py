@@ -204,6 +204,8 @@ async def generate(request: web.Request) -> web.Response:
     inputs, is_batch = parse_generate_request(body)
     for k, inp in enumerate(inputs):
         name = ("input_ids" if inp.text is None else "text") + (f"[{k}]" if is_batch else "")
+        if inp.image_data:  # vLLM's completions route takes no images; never drop them silently
+            raise ProtocolError("image_data", "images are not supported by the vllm engine adapter yet")
         sp_name = f"sampling_params[{k}]." if is_batch else "sampling_params."
         if inp.input_ids is not None:
             if state.vocab_size is not None:

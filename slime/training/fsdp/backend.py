@@ -42,13 +42,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from slime.algorithms.losses import (
     compute_entropy, compute_log_probs, compute_log_probs_and_entropy, log_probs_from_hidden,
 )
 from slime.training.backend import LossFn, MicroBatch, StepTail
-from slime.training.fsdp import determinism
+from slime.training.fsdp import determinism, vision
 from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
@@ -59,6 +59,7 @@ from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import checkpoint_names, write_hf_dir
 from slime.utils.net import node_address
+from slime.utils.vision import VisionProcessor, is_vision_config, load_lm
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,7 @@ class FSDPBackend(StepTail):
             # a frozen LoRA base needs no fp32 master copy: with --bf16 it is kept in bf16 (half the
             # memory); the adapters train in fp32 (FSDP2 needs one dtype among trainable parameters only)
             base_dtype = torch.bfloat16 if args.lora and args.bf16 else torch.float32
-            model = AutoModelForCausalLM.from_pretrained(
-                args.hf_checkpoint, dtype=base_dtype, attn_implementation=args.attn_implementation
-            )
+            model = load_lm(args.hf_checkpoint, dtype=base_dtype, attn_implementation=args.attn_implementation)
         model.eval()
         if self.device.type == "cuda":
             model.to(self.device)
@@ -154,7 +153,10 @@ class FSDPBackend(StepTail):
         # MoE models: the load-balancing loss, expert usage and routing replay of the policy's forwards
         self.routing = TrainRouting(model, 0.0 if value_head else args.moe_aux_loss_coeff)
         self.last_routing = None  # what the routers used in the last policy forward (slime.training.moe)
-        self.pad_token_id = _pad_token_id(self.hf_config)
+        self.pad_token_id = _pad_token_id(self.hf_config.get_text_config(decoder=True))
+        # vision-language models: a micro-batch's images become pixel inputs and 3-D positions (vision.py)
+        self.images = VisionProcessor(args.hf_checkpoint, config=self.hf_config) if is_vision_config(
+            self.hf_config) else None
         # log-probs from the hidden states through the output layer chunk by chunk (no [tokens, vocab]
         # tensor), for models whose forward ends in that layer (checked once)
         self.hidden_head = bool(args.log_probs_chunk_size) and not value_head and self._head_is_last_step()
@@ -190,8 +192,7 @@ class FSDPBackend(StepTail):
         """A frozen model that scores the policy's tokens (the KL reference, the OPD teacher). Sharded
         like the policy (each rank holds 1/N of it; a forward gathers one layer at a time); on a GPU it
         also stays in host memory and comes to the device layer by layer, only for its forward."""
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                   attn_implementation=self.args.attn_implementation)
+        ref = load_lm(path, dtype=torch.float32, attn_implementation=self.args.attn_implementation)
         ref.eval()
         ref.requires_grad_(False)
         if self.segmented and not _set_attention(ref, PACKED_SDPA):  # packed rows attend per sample there too
@@ -290,6 +291,8 @@ class FSDPBackend(StepTail):
             offset += n
         inputs = {"input_ids": ids[None].to(self.device), "position_ids": pos[None].to(self.device),
                   "use_cache": False, **self._segment_kwargs(lens)}
+        if vision.has_images(mb):
+            inputs.update(vision.packed_inputs(self.model, self.images, mb, inputs["input_ids"], lens, prompt_lens))
         return inputs, torch.cat(score).to(self.device)
 
     def _segment_kwargs(self, lens: list[int]) -> dict:
@@ -301,7 +304,7 @@ class FSDPBackend(StepTail):
         reaches it, with nothing after (no soft-capping or scaling): checked on a tiny input
         (collective: every rank runs the same forwards)."""
         head = self.model.get_output_embeddings()
-        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        vocab = int(getattr(self.hf_config.get_text_config(decoder=True), "vocab_size", 0) or 0)
         if not isinstance(head, torch.nn.Linear) or head.bias is not None or vocab < 2:
             return False
         ids = torch.randint(1, vocab, (1, 6), generator=torch.Generator().manual_seed(4321)).to(self.device)
@@ -321,7 +324,7 @@ class FSDPBackend(StepTail):
     def _packing_is_exact(self) -> bool:
         """Whether a packed row gives the same outputs as separate forwards (collective: every
         rank runs the same tiny forwards)."""
-        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        vocab = int(getattr(self.hf_config.get_text_config(decoder=True), "vocab_size", 0) or 0)
         if vocab < 2:
             return False
         g = torch.Generator().manual_seed(1234)
@@ -352,12 +355,15 @@ class FSDPBackend(StepTail):
     def _head_inputs(self, model, **inputs) -> tuple[Tensor, Tensor | None]:
         """The model's forward: (logits, None), or with the chunked output layer (hidden states of
         the same positions, the output layer's weight), so no full [tokens, vocab] tensor exists."""
+        images = vision.images_only(model, inputs.pop(vision.IMAGE_MASK, None))
         if not self.hidden_head:
-            return model(**inputs).logits, None
+            with images:
+                return model(**inputs).logits, None
         head = model.get_output_embeddings()
         head.forward = _identity  # the causal LM's last step is head(hidden): it hands back the hidden states
         try:
-            hidden = model(**inputs).logits
+            with images:
+                hidden = model(**inputs).logits
         finally:
             del head.forward
         return hidden, head.weight
@@ -404,6 +410,8 @@ class FSDPBackend(StepTail):
         # logits are needed from the first position that scores a response token on
         start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
         kwargs = {"logits_to_keep": t - start} if self._supports_logits_to_keep else {}
+        if vision.has_images(mb):
+            kwargs.update(vision.padded_inputs(model, self.images, mb, ids, attn, prompt_lens))
         x, weight = self._head_inputs(model, input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
 
         lps, ents = [], []

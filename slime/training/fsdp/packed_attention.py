@@ -35,9 +35,10 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
                         **kwargs) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] of one packed row whose samples are
     `kwargs[SEGMENTS]` tokens long -> ([1, T, heads, d], None): each sample attends causally to
-    itself only. Anything else goes to transformers' `sdpa` as is."""
+    itself only. Anything else goes to transformers' `sdpa` as is (so does a non-causal attention, e.g. a
+    vision tower's inside a vision-language model's packed forward: its images attend within themselves)."""
     lengths = kwargs.pop(SEGMENTS, None)
-    if lengths is None or query.shape[0] != 1 or len(lengths) < 2:
+    if lengths is None or query.shape[0] != 1 or len(lengths) < 2 or not getattr(module, "is_causal", True):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kwargs.pop("is_causal", None)

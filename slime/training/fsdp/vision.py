@@ -1,0 +1,97 @@
+"""Images in the FSDP trainer (Qwen2-VL / Qwen2.5-VL): a micro-batch's pixel inputs and 3-D positions.
+
+A micro-batch carries each sample's image sources (`MicroBatch.images`, what the data and the
+engine saw); here they are decoded by the model's image processor (slime.utils.vision) into
+`pixel_values` / `image_grid_thw` (the samples' images concatenated in sample order, as the
+model's forward scatters them into the image tokens in order) and the model's 3-D rope position
+ids from its own `get_rope_index`, per sample:
+
+- packed row (the default): each sample's positions [3, n_i] concatenated into [3, 1, N]; the
+  samples attend one at a time (packed_attention), the vision tower sees every image alone;
+- padded rows: `get_rope_index` of the [B, T] batch with its attention mask.
+
+Only the prompt's image tokens hold image features: an `<|image_pad|>` the policy generated is an
+ordinary token with a text position, as it was in the engine (`images_only`). The vision tower
+runs inside the model's forward, so its weights train (or stay frozen with
+`--freeze-params-name-list`) like any others and reach the engines under their HF names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from slime.utils.vision import VisionProcessor, image_token_mask, rope_index, vl_core
+
+IMAGE_MASK = "slime_image_mask"  # the key of the prompt-image-token mask among a forward's inputs
+
+
+def has_images(mb) -> bool:
+    return bool(getattr(mb, "images", None)) and any(mb.images)
+
+
+def _pixels(processor: VisionProcessor, mb, device) -> dict:
+    sources = [s for imgs in mb.images for s in (imgs or [])]
+    pix = processor.pixel_inputs(sources)
+    return {"pixel_values": pix["pixel_values"].to(device), "image_grid_thw": pix["image_grid_thw"].to(device)}
+
+
+def _grids(mb, grid: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each sample's rows of the micro-batch's image_grid_thw."""
+    out, k = [], 0
+    for imgs in mb.images:
+        n = len(imgs or [])
+        out.append(grid[k:k + n] if n else None)
+        k += n
+    return out
+
+
+def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens: list[int],
+                  prompt_lens: list[int]) -> dict:
+    """The image inputs of one packed row ids [1, N]: pixel inputs, position ids [3, 1, N], image mask."""
+    pix = _pixels(processor, mb, ids.device)
+    pos, masks, start = [], [], 0
+    for n, p, grid in zip(lens, prompt_lens, _grids(mb, pix["image_grid_thw"])):
+        row = ids[:, start:start + n]
+        mask = image_token_mask(model, row, [p])
+        if grid is None:
+            pos.append(torch.arange(n, device=ids.device).view(1, 1, n).expand(3, 1, n))
+        else:
+            pos.append(rope_index(model, row, grid, image_mask=mask)[0])
+        masks.append(mask)
+        start += n
+    return {**pix, "position_ids": torch.cat(pos, -1), IMAGE_MASK: torch.cat(masks, -1)}
+
+
+def padded_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, attn: torch.Tensor,
+                  prompt_lens: list[int]) -> dict:
+    """The image inputs of padded rows ids [B, T] (right padded, `attn` their mask)."""
+    pix = _pixels(processor, mb, ids.device)
+    mask = image_token_mask(model, ids, prompt_lens)
+    pos, _ = rope_index(model, ids, pix["image_grid_thw"], attention_mask=attn, image_mask=mask)
+    return {**pix, "position_ids": pos, IMAGE_MASK: mask}
+
+
+@contextlib.contextmanager
+def images_only(model, mask: torch.Tensor | None):
+    """Within it, the model's forward puts image features into the image tokens of `mask` only (the
+    prompt's), not into image tokens the policy generated."""
+    if mask is None:
+        yield
+        return
+    core = vl_core(model)
+    original = core.get_placeholder_mask
+    pad = int(core.config.image_token_id) + 1  # any id but the image token's: only the mask is read
+
+    def prompt_placeholders(input_ids, inputs_embeds, image_features=None, video_features=None):
+        if input_ids is not None:
+            input_ids = torch.where(mask | (input_ids != int(core.config.image_token_id)), input_ids, pad)
+        return original(input_ids, inputs_embeds=inputs_embeds, image_features=image_features,
+                        video_features=video_features)
+
+    core.get_placeholder_mask = prompt_placeholders  # an instance attribute; removed below
+    try:
+        yield
+    finally:
+        del core.get_placeholder_mask

@@ -1,0 +1,94 @@
+"""Prompt rows with images (`--multimodal-keys`): sources kept compact on the prompt, slots placed by
+the chat template and expanded to each image's tokens, and errors that name the row and the image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+from transformers import AutoTokenizer
+
+from slime.data.dataset import load_prompts
+from slime.data.source import prompt_sample
+from slime.utils.errors import DataError, SlimeConfigError
+from tests.helpers.args import make_args
+
+KEYS = {"image": "images"}
+
+
+def _png(color, size=(56, 56)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_vl_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_vl_model_dir)
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_images_from_paths_urls_and_base64(tok, tmp_path):
+    (tmp_path / "red.png").write_bytes(_png((255, 0, 0)))
+    b64 = base64.b64encode(_png((0, 0, 255), (112, 56))).decode()
+    rows = [
+        {"q": "what colour", "images": "red.png"},  # relative to the data file
+        {"q": "what <image> and <image> yes", "images": [f"file://{tmp_path}/red.png", b64]},
+        {"q": [{"role": "user", "content": "no picture"}], "images": None},
+    ]
+    prompts = load_prompts(_write(tmp_path / "d.jsonl", rows), tok, "q", apply_chat_template=True,
+                           multimodal_keys=KEYS)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    start = tok.convert_tokens_to_ids("<|vision_start|>")
+    assert prompts[0].images == [str((tmp_path / "red.png").resolve())]
+    assert prompts[0].input_ids.count(pad) == 4 and prompts[0].input_ids.count(start) == 1  # 56x56: 2x2 tokens
+    assert prompts[1].input_ids.count(pad) == 4 + 8 and prompts[1].input_ids.count(start) == 2
+    text = tok.decode(prompts[1].input_ids)
+    assert text.index("what") < text.index("<|vision_start|>") < text.index(" and ") < text.rindex("yes")
+    assert prompts[2].images is None and pad not in prompts[2].input_ids
+    assert prompts[0].prompt == "what colour"  # the row's prompt as written
+    sample = prompt_sample(prompts[1])
+    assert sample.images == prompts[1].images and all(isinstance(s, str) for s in sample.images)
+
+
+@pytest.mark.parametrize("images, why", [
+    ("missing.png", r"d.jsonl:1: field 'images' \(--multimodal-keys\): image .*missing.png: no such file"),
+    ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), r"d.jsonl:1: .*cannot decode"),
+    ("@@not base64@@", r"d.jsonl:1: .*not a file path and not valid base64"),
+    ([1], r"d.jsonl:1: field 'images' \(--multimodal-keys\) image 0 must be a path"),
+])
+def test_bad_images_name_the_row(tok, tmp_path, images, why):
+    path = _write(tmp_path / "d.jsonl", [{"q": "what colour", "images": images}])
+    with pytest.raises(DataError, match=why):
+        load_prompts(path, tok, "q", apply_chat_template=True, multimodal_keys=KEYS)
+
+
+def test_marker_count_and_chat_template_are_checked(tok, tmp_path):
+    (tmp_path / "red.png").write_bytes(_png((255, 0, 0)))
+    path = _write(tmp_path / "d.jsonl", [{"q": "<image> <image>", "images": ["red.png"]}])
+    with pytest.raises(DataError, match="2 <image> markers for 1 images"):
+        load_prompts(path, tok, "q", apply_chat_template=True, multimodal_keys=KEYS)
+    path = _write(tmp_path / "e.jsonl", [{"q": "what colour", "images": ["red.png"]}])
+    with pytest.raises(DataError, match="need --apply-chat-template"):
+        load_prompts(path, tok, "q", multimodal_keys=KEYS)
+
+
+def test_images_for_a_text_only_model_is_one_clear_line(tiny_model_dir, tiny_vl_model_dir, tmp_path):
+    text_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    path = _write(tmp_path / "d.jsonl", [{"q": "what colour", "images": "red.png"}])
+    with pytest.raises(DataError, match="is a text-only model \\(llama\\); it takes no images"):
+        load_prompts(path, text_tok, "q", apply_chat_template=True, multimodal_keys=KEYS)
+    # and at start-up, before anything runs
+    with pytest.raises(SlimeConfigError, match="--multimodal-keys .* is a text-only model \\(llama\\)"):
+        make_args(tiny_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
+    with pytest.raises(SlimeConfigError, match="--multimodal-keys .* needs --apply-chat-template"):
+        make_args(tiny_vl_model_dir, tmp_path, "--multimodal-keys", json.dumps(KEYS))
+    args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
+    assert args.multimodal_keys == KEYS

@@ -1,0 +1,182 @@
+"""Images in prompts (a tiny random Qwen2.5-VL): the native engine's `image_data` and the FSDP
+trainer's pixel inputs give the same log-probs (fp32, within 1e-5), packed or padded, with image
+and text requests sharing the engine's decode batch; the vision tower trains and its weights reach
+the engine; bad image requests are refused with the field named."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import pytest
+import torch
+from PIL import Image
+
+from slime.engines.native.engine import NativeEngine
+from slime.engines.protocol import GenerateInput, ProtocolError, SamplingParams, parse_generate_request
+from slime.training.backend import MicroBatch
+from slime.training.fsdp.backend import FSDPBackend
+from slime.utils.net import LOOPBACK, free_port
+from tests.helpers.args import make_args
+from tests.helpers.http import post_json
+from tests.helpers.native_server import native_server
+
+TEMPERATURE = 0.8
+
+
+def _png(color, size) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    d = tmp_path_factory.mktemp("images")
+    (d / "red.png").write_bytes(_png((255, 0, 0), (60, 50)))
+    (d / "blue.png").write_bytes(_png((0, 0, 255), (90, 40)))
+    green = "data:image/png;base64," + base64.b64encode(_png((0, 255, 0), (56, 56))).decode()
+    return {"red": str(d / "red.png"), "blue": "file://" + str(d / "blue.png"), "green": green}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vl_model_dir):
+    e = NativeEngine(tiny_vl_model_dir, num_threads=1).start()
+    yield e
+    e.shutdown()
+
+
+def _text(engine, n_images: int, words: str = "what is the answer") -> str:
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": words}]
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                add_generation_prompt=True)
+
+
+def _ids(engine, n_images: int, sources=None) -> list[int]:
+    text = _text(engine, n_images)
+    if sources:
+        return engine.vision.encode(text, sources)[0]
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _generate_all(engine, requests):
+    """Submit every (ids, images, seed) at once (image and text rows share the decode batch)."""
+    results, done = [None] * len(requests), threading.Semaphore(0)
+    for k, (ids, imgs, seed) in enumerate(requests):
+        sp = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=seed, ignore_eos=True)
+
+        def cb(res, err, k=k):
+            results[k] = err or res
+            done.release()
+        engine.submit(GenerateInput(rid=f"r{k}", sampling_params=sp, input_ids=ids, image_data=imgs), cb)
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def _backend(model_dir, tmp_path, *flags):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    args = make_args(model_dir, tmp_path, "--rollout-temperature", TEMPERATURE, *flags)
+    return FSDPBackend(args, 0, 1, LOOPBACK, free_port())
+
+
+def _rollout(engine, images):
+    one, two = [images["red"]], [images["blue"], images["green"]]
+    requests = [(_ids(engine, 1, one), one, 1), (_ids(engine, 1, one), one, 2), (_ids(engine, 2, two), two, 3),
+                (_ids(engine, 0), None, 4), (_ids(engine, 2, two), two, 5)]
+    results = _generate_all(engine, requests)
+    mb = MicroBatch([ids + r.output_ids for (ids, _, _), r in zip(requests, results)],
+                    [len(r.output_ids) for r in results], images=[imgs for _, imgs, _ in requests])
+    return mb, torch.tensor([lp for r in results for lp in r.output_token_logprobs])
+
+
+@pytest.mark.parametrize("flags", [[], ["--disable-sequence-packing"]], ids=["packed", "padded"])
+def test_engine_and_trainer_log_probs_agree_on_image_prompts(engine, images, tiny_vl_model_dir, tmp_path, flags):
+    mb, engine_lp = _rollout(engine, images)
+    be = _backend(tiny_vl_model_dir, tmp_path, *flags)
+    try:
+        assert be.pack == (not flags)
+        train_lp, _ = be.forward_logprobs(mb)
+        diff = (train_lp - engine_lp).abs().max().item()
+        print(f"max |engine - trainer| log-prob ({'padded' if flags else 'packed'}): {diff:.3g}")
+        assert diff < 1e-5
+        # without its images the prompt scores differently: the pixels really reach the model
+        blind, _ = be.forward_logprobs(MicroBatch(mb.tokens, mb.response_lengths))
+        assert (blind - engine_lp).abs().max().item() > 1e-3
+    finally:
+        be.close()
+
+
+def test_vision_tower_trains_is_pushed_to_the_engine_and_can_be_frozen(tiny_vl_model_dir, images, tmp_path):
+    engine = NativeEngine(tiny_vl_model_dir, num_threads=1).start()
+    be = _backend(tiny_vl_model_dir, tmp_path / "a", "--lr", 1e-2)
+    try:
+        mb, _ = _rollout(engine, images)
+        before = {n: p.detach().clone() for n, p in be.model.named_parameters() if ".visual." in f".{n}"}
+        be.train_step([mb], lambda k, lp, ent: -lp.mean())
+        after = dict(be.model.named_parameters())
+        assert all(not torch.equal(before[n], after[n]) for n in before if n.endswith("patch_embed.proj.weight"))
+        engine.update_weights(dict(be.named_weights()), weight_version="1")
+        mb, engine_lp = _rollout(engine, images)
+        train_lp, _ = be.forward_logprobs(mb)
+        assert (train_lp - engine_lp).abs().max().item() < 1e-5
+    finally:
+        be.close()
+        engine.shutdown()
+    frozen = _backend(tiny_vl_model_dir, tmp_path / "b", "--freeze-params-name-list", "visual")
+    try:
+        visual = [p.requires_grad for n, p in frozen.model.named_parameters() if "visual" in n]
+        assert visual and not any(visual)
+        assert any(p.requires_grad for n, p in frozen.model.named_parameters() if "language_model" in n)
+    finally:
+        frozen.close()
+
+
+def test_bad_image_requests_name_the_field(engine, images, tiny_model_dir, tmp_path):
+    ids = _ids(engine, 1, [images["red"]])
+    sp = SamplingParams(max_new_tokens=2)
+    cases = [
+        (GenerateInput(rid="a", sampling_params=sp, input_ids=ids, image_data=[str(tmp_path / "nope.png")]),
+         "nope.png: no such file"),
+        (GenerateInput(rid="b", sampling_params=sp, input_ids=ids, image_data=["data:image/png;base64,aGVsbG8="]),
+         "cannot decode"),
+        (GenerateInput(rid="c", sampling_params=sp, input_ids=ids, image_data=[images["red"], images["red"]]),
+         "image tokens"),
+        (GenerateInput(rid="d", sampling_params=sp, input_ids=ids, image_data=[images["red"]], return_logprob=True,
+                       logprob_start_len=0), "logprob_start_len"),
+    ]
+    for inp, why in cases:
+        with pytest.raises(ProtocolError, match=why):
+            engine.submit(inp, lambda res, err: None)
+    text_engine = NativeEngine(tiny_model_dir, num_threads=1)
+    with pytest.raises(ProtocolError, match="text-only"):
+        text_engine.submit(GenerateInput(rid="e", sampling_params=sp, input_ids=[5, 6], image_data=[images["red"]]),
+                           lambda res, err: None)
+    # SGLang's forms: one image, a list, and one entry per prompt of a batch
+    (one,), _ = parse_generate_request({"input_ids": [1, 2], "image_data": "x.png"})
+    assert one.image_data == ["x.png"]
+    batch, _ = parse_generate_request({"input_ids": [[1], [2]], "image_data": [["a.png", "b.png"], None]})
+    assert [b.image_data for b in batch] == [["a.png", "b.png"], None]
+    with pytest.raises(ProtocolError, match="image_data"):
+        parse_generate_request({"input_ids": [[1], [2]], "image_data": ["a.png"]})
+
+
+def test_http_generate_and_chat_take_images(engine, images, tiny_vl_model_dir, tmp_path):
+    ids = _ids(engine, 1, [images["green"]])
+    want = engine.generate(ids, {"max_new_tokens": 5, "temperature": 0}, image_data=[images["green"]])
+    with native_server(tiny_vl_model_dir, tmp_path / "server.log") as (url, _):
+        sp = {"max_new_tokens": 5, "temperature": 0}
+        by_ids = post_json(url, "/generate", {"input_ids": ids, "image_data": images["green"], "sampling_params": sp})
+        by_text = post_json(url, "/generate", {"text": _text(engine, 1), "image_data": [images["green"]],
+                                               "sampling_params": sp})
+        assert by_ids["output_ids"] == by_text["output_ids"] == want.output_ids
+        assert by_text["meta_info"]["prompt_tokens"] == len(ids)
+        chat = post_json(url, "/v1/chat/completions", {
+            "max_tokens": 5, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": images["green"]}},
+                                                      {"type": "text", "text": "what is the answer"}]}]})
+        assert chat["usage"]["prompt_tokens"] == len(ids)

@@ -1,0 +1,24 @@
+"""The synthetic visual task of examples/vlm_shapes.py loads as image prompts of the tiny VL model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from slime.data.dataset import load_prompts
+
+_spec = importlib.util.spec_from_file_location("vlm_shapes", Path(__file__).parents[3] / "examples" / "vlm_shapes.py")
+vlm_shapes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vlm_shapes)
+
+
+def test_shapes_task_loads_with_images(tiny_vl_model_dir, tmp_path):
+    train, _ = vlm_shapes.make_vlm_task(tmp_path, n_train=6, n_eval=2)
+    tok = AutoTokenizer.from_pretrained(tiny_vl_model_dir)
+    prompts = load_prompts(train, tok, "prompt", "label", apply_chat_template=True,
+                           multimodal_keys={"image": "images"})
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert len(prompts) == 6 and all(p.label in vlm_shapes.COLOURS for p in prompts)
+    assert all(len(p.images) == 1 and p.input_ids.count(pad) == 9 for p in prompts)  # 84x84: 3x3 tokens
