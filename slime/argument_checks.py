@@ -375,8 +375,6 @@ def validate_megatron(args: Args) -> None:
     require(cp == 1, "--context-parallel-size > 1 needs Transformer Engine's attention on GPUs; "
                      "megatron-core's local attention has no context-parallel path")
     require(not args.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    require(not args.use_critic, "--advantage-estimator ppo (a critic) is not supported with --train-backend "
-                                 "megatron yet; use --train-backend fsdp")
 
 
 def validate_debug(args: Args) -> None:

@@ -6,10 +6,10 @@
 - `--use-routing-replay` (R2): the trainer's old-policy forward records its routing and the policy
   forwards of the same rollout replay it.
 - `--moe-aux-loss-coeff C` (Megatron's name, in slime.script_flags): C x the routers' load-balancing
-  loss joins the policy loss (FSDP backend).
+  loss joins the policy loss (both train backends: the same Hugging Face formula).
 
 `validate_moe(args)` runs at parse time: each of them needs a mixture-of-experts `--hf-checkpoint`
-(its config.json names a number of experts) and the fsdp backend; one line for each bad combination.
+(its config.json names a number of experts); one line for each bad combination.
 """
 
 from __future__ import annotations
@@ -58,9 +58,6 @@ def validate_moe(args) -> None:
     _require(is_moe_checkpoint(args.hf_checkpoint),
              f"{given[0]} needs a mixture-of-experts model; --hf-checkpoint {args.hf_checkpoint} declares no "
              f"experts ({', '.join(EXPERT_COUNT_KEYS)} in config.json)")
-    _require(args.train_backend == "fsdp",
-             f"{given[0]}: mixture-of-experts training is built for --train-backend fsdp (the megatron backend "
-             "builds dense models)")
     _require(not (args.use_rollout_routing_replay and args.use_routing_replay),
              "--use-rollout-routing-replay and --use-routing-replay both decide the trainer's experts; give one")
     _require(args.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff}")

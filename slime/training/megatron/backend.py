@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
-from slime.training.megatron import shims
+from slime.training.megatron import critic, moe, shims
 from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
 from slime.training.megatron.model import PipelineLayout, build_model
 from slime.training.megatron.optimizer import ShardedAdamW
@@ -96,10 +96,8 @@ class MegatronBackend(StepTail):
     def __init__(self, args, rank: int, world_size: int, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, with_ref: bool = False, value_head: bool = False,
                  with_teacher: bool = False):
-        if value_head:
-            raise SlimeConfigError("--train-backend megatron has no PPO critic (value head) yet; "
-                                   "use --train-backend fsdp for --advantage-estimator ppo")
         self.args, self.rank, self.world_size = args, rank, world_size
+        self.value_head = value_head  # the PPO critic: a value head on the policy's backbone (critic.py)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
@@ -126,11 +124,15 @@ class MegatronBackend(StepTail):
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self.layout = PipelineLayout.from_args(args, self.hf_config.num_hidden_layers)
         self.layout.check(self.hf_config.num_hidden_layers)
+        # mixture of experts: megatron's MoE layers, --expert-model-parallel-size (moe.py)
+        self.ep = args.expert_model_parallel_size if moe.is_moe(self.hf_config) else 1
+        if moe.is_moe(self.hf_config):
+            moe.check_moe_args(args, self.hf_config, self.tp, self.pp, self.ep, world_size)
         self._owns_mp = not ps.model_parallel_is_initialized()
         if self._owns_mp:
             ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                                          virtual_pipeline_model_parallel_size=self.layout.vp
-                                         if self.layout.vp > 1 else None)
+                                         if self.layout.vp > 1 else None, expert_model_parallel_size=self.ep)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: one pipeline over the group's samples
@@ -139,11 +141,18 @@ class MegatronBackend(StepTail):
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         shims.use_cpu_rng_tracker()
 
-        hf_state = self._hf_state(args.hf_checkpoint)
-        self.model = self._build(hf_state, recompute=True)
-        if args.freeze_params_name_list:  # megatron-core's parameter names; these never train
+        if value_head:  # the FSDP critic's weights: HF's token-classification model (its config included)
+            critic.check_critic(self.hf_config)
+            self.hf_config, hf_state = critic.hf_state(args.hf_checkpoint)
+        else:
+            hf_state = self._hf_state(args.hf_checkpoint)
+        self.model = self._build(hf_state, recompute=True, value_head=value_head)
+        if args.freeze_params_name_list and not value_head:  # megatron-core's parameter names; these never train
             freeze_parameters(self.model, args.freeze_params_name_list)
-        self.routing = TrainRouting(self.model)  # dense megatron-core models: no routers, no MoE metrics
+        # MoE: the load-balancing loss, expert usage and routing replay of the policy's forwards
+        self.routing = moe.MegatronRouting(self.model, args.moe_aux_loss_coeff) if moe.is_moe(self.hf_config) \
+            else TrainRouting(self.model)
+        self.last_routing = None  # what the routers used in the last policy forward (slime.training.moe)
         self.ref_model = None
         if with_ref:  # --ref-load: another checkpoint of the same vocabulary (checked at parse time)
             self.ref_model = self._build(self._hf_state(args.ref_load) if args.ref_load else hf_state, recompute=False)
@@ -156,9 +165,9 @@ class MegatronBackend(StepTail):
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
         self.seq_multiple = self.tp if args.sequence_parallel else 1  # SP splits the sequence over TP ranks
-        self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple) \
-            if self.pp > 1 else None
-        self.lr_schedule = LRSchedule.from_args(args, args.lr)
+        self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple,
+                                 scores=critic.response_values if value_head else None) if self.pp > 1 else None
+        self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         params = [p for p in self.model.parameters() if p.requires_grad]
         adam = dict(lr=self.lr_schedule.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                     weight_decay=args.weight_decay)
@@ -183,19 +192,25 @@ class MegatronBackend(StepTail):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
-    def _build(self, hf_state, recompute: bool):
+    def _build(self, hf_state, recompute: bool, value_head: bool = False):
         """This rank's model chunk(s) with the checkpoint's weights (a ModuleList of the chunks with
-        virtual pipeline stages); `recompute`: with --recompute-* (the trained policy)."""
+        virtual pipeline stages); `recompute`: with --recompute-* (the trained model); `value_head`:
+        the critic (critic.py), from a token-classification state dict."""
         args = self.args
         chunks = []
+        config = critic.build_config(self.hf_config) if value_head else self.hf_config
         for vp_stage in range(self.layout.vp):
             with shims.cpu_only_cuda_shims():
-                model = build_model(self.hf_config, tp=self.tp, sequence_parallel=args.sequence_parallel,
+                model = build_model(config, tp=self.tp, sequence_parallel=args.sequence_parallel,
                                     vocab_divisible_by=args.make_vocab_size_divisible_by,
                                     recompute=(args.recompute_granularity, args.recompute_method,
                                                args.recompute_num_layers) if recompute else (None, None, None),
-                                    layout=self.layout, vp_stage=vp_stage)
-            load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
+                                    layout=self.layout, vp_stage=vp_stage, ep=self.ep)
+            if value_head:
+                critic.attach_value_head(model, self.hf_config, args.sequence_parallel, bias="score.bias" in hf_state)
+                critic.load_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
+            else:
+                load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
             chunks.append(model.to(self.device))
         return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
@@ -220,6 +235,8 @@ class MegatronBackend(StepTail):
     def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool):
         """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i]."""
         if not tokens:
+            if self.ep > 1:  # the other EP ranks' token dispatch needs this rank
+                moe.idle_forward(model, self.device, backward=False)
             return [], []
         ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
         with shims.cpu_only_cuda_shims():
@@ -242,7 +259,7 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
-        with torch.set_grad_enabled(grad and not ref):
+        with torch.set_grad_enabled(grad and not ref), moe.policy_routing(self, model, mb):
             lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
                                       entropy_grad=entropy_grad and grad)
         lp = torch.cat(lps[s:e]) if e > s else torch.zeros(0, device=self.device)
@@ -258,8 +275,33 @@ class MegatronBackend(StepTail):
         a, b = sum(lengths[:s]), sum(lengths[:e])
         return lp[a:b], ent[a:b] if with_entropy else None
 
+    routing_layout = staticmethod(moe.routing_layout)  # how the routers see a micro-batch (slime.training.moe)
+
+    def _values(self, model, tokens, lengths) -> list[Tensor]:
+        """Per-sample critic values of the response tokens (one pipeline stage): a list of Tensor[r_i]."""
+        if not tokens:
+            return []
+        ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
+        with shims.cpu_only_cuda_shims():
+            out = model(ids, pos, attention_mask=mask)  # [b, t, 1]
+        return critic.response_values(out, ids, prompt_lens, lengths)[0]
+
     def forward_values(self, mb: MicroBatch, *, grad: bool = False) -> Tensor:
-        raise RuntimeError("--train-backend megatron has no value head (PPO critic); use --train-backend fsdp")
+        """Critic values of every response token of this rank's micro-batch (value head only), Tensor[N]
+        in sample order: response token t's value is the head's output at position t - 1, aligned
+        with the log-probs (collective over the TP group, or the pipeline's)."""
+        if not self.value_head:
+            raise RuntimeError("forward_values needs a backend built with value_head=True")
+        if grad and self.tp * self.pp > 1:
+            raise RuntimeError("with tensor or pipeline parallelism, gradients go through train_step (the group's "
+                               "losses are combined there)")
+        if self.pp > 1:
+            values, _ = self._pipeline_logprobs(self.model, mb, with_entropy=False)  # the pipeline scores values
+            return values
+        tokens, lengths, s, e = self._gather_tp(mb)
+        with torch.set_grad_enabled(grad):
+            values = self._values(self.model, tokens, lengths)
+        return torch.cat(values[s:e]) if e > s else torch.zeros(0, device=self.device)
 
     # ------------------------------------------------------------ training
 
@@ -273,19 +315,32 @@ class MegatronBackend(StepTail):
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn,
                    *, entropy_grad: bool = False) -> float:
         """Forward/backward every micro-batch, reduce gradients, clip, AdamW step, zero grad.
-        loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) as for FSDPBackend.
+        loss_fn(k, log_probs Tensor[N_k], entropy Tensor[N_k]) as for FSDPBackend; the critic calls
+        loss_fn(k, values Tensor[N_k], None).
         returns the total gradient norm before clipping (identical on every rank)."""
         n_local = len(micro_batches)
+        entropy_grad = entropy_grad and not self.value_head
         if self.pp > 1:
             self._pipeline_backward(micro_batches, loss_fn, entropy_grad)
             return self._finish_step()
-        for k in range(self._group_max(n_local, self.tp_group)):
+        group = ps.get_expert_model_parallel_group() if self.ep > 1 else self.tp_group  # MoE: TP 1
+        for k in range(self._group_max(n_local, group)):
             mb = micro_batches[k] if k < n_local else MicroBatch([], [])
             if self.tp == 1:
                 if not mb.tokens:
+                    if self.ep > 1:  # the other EP ranks' token dispatch (forward and backward) needs this rank
+                        moe.idle_forward(self.model, self.device, backward=True)
+                    continue
+                if self.value_head:  # the critic (dense models only: no routing)
+                    loss_fn(k, self.forward_values(mb, grad=True), None).backward()
                     continue
                 lp, ent = self.forward_logprobs(mb, grad=True, with_entropy=True, entropy_grad=entropy_grad)
-                loss_fn(k, lp, ent).backward()
+                loss = loss_fn(k, lp, ent)
+                aux = self.routing.training_forward(self.last_routing, *moe.routing_layout(mb))
+                if aux is not None:  # --moe-aux-loss-coeff: the mean over the step's micro-batches, as fsdp
+                    loss = loss + aux / n_local
+                with shims.cpu_only_cuda_shims():  # the expert-parallel all-to-all's backward names the CUDA device
+                    loss.backward()
                 continue
             self._tp_backward(k, mb, loss_fn, entropy_grad, own=k < n_local)
         return self._finish_step()
@@ -294,10 +349,13 @@ class MegatronBackend(StepTail):
         """One micro-batch under TP: one forward over the TP group's samples; the upstream gradient
         is the sum of every TP rank's d loss / d log-probs (and entropy) over its own slice."""
         tokens, lengths, s, e = self._gather_tp(mb)
-        lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
+        if self.value_head:  # the critic: values in place of log-probs, no entropy
+            lps, ents = self._values(self.model, tokens, lengths), None
+        else:
+            lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
         if not lps:
             return
-        lp_all, ent_all = torch.cat(lps), torch.cat(ents)
+        lp_all, ent_all = torch.cat(lps), torch.cat(ents) if ents is not None else None
         g_lp, g_ent = self._upstream(k, lp_all, ent_all, lengths, s, e, loss_fn, entropy_grad, own, self.tp_group)
         outputs, upstream = [lp_all], [g_lp.to(lp_all.dtype)]
         if entropy_grad:
@@ -315,7 +373,7 @@ class MegatronBackend(StepTail):
         g_ent = torch.zeros_like(ent_all, dtype=torch.float32) if entropy_grad else None
         if own:
             lp_own = lp_all[a:b].detach().requires_grad_(True)
-            ent_own = ent_all[a:b].detach().requires_grad_(entropy_grad)
+            ent_own = ent_all[a:b].detach().requires_grad_(entropy_grad) if ent_all is not None else None
             loss = loss_fn(k, lp_own, ent_own)
             inputs = [lp_own] + ([ent_own] if entropy_grad else [])
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
@@ -340,7 +398,7 @@ class MegatronBackend(StepTail):
         batches = [(tokens, lengths) for tokens, lengths, _, _ in gathered]
         if not batches:
             return
-        scores = self.pipeline.forward(self.chunks, batches, with_entropy=True)
+        scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
         self.pipeline.backward(self.chunks, batches, upstream)
@@ -365,17 +423,25 @@ class MegatronBackend(StepTail):
             for name, p in named:
                 if "q_layernorm" in name or "k_layernorm" in name or getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=self.tp_group)
-        if dist.get_world_size(self.dp_group) > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
+        # MoE experts: each EP rank holds its own, reduced over the expert-data-parallel group (the ranks
+        # holding the same experts); their gradients already carry every EP rank's tokens (the all-to-all)
+        edp = ps.get_expert_data_parallel_group() if self.ep > 1 else self.dp_group
+        for name, p in named:
+            group = edp if moe.is_expert(name) else self.dp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
         for p in params:
             p.grad.div_(self.world_size)
-        # global norm: TP shards summed over the group, replicated parameters once
+        # global norm: TP shards summed over the group, replicated parameters once, experts summed over EP
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_experts = torch.zeros((), dtype=torch.float32, device=self.device)
         for chunk in self.chunks:
             for name, p in chunk.named_parameters():
                 if param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
-                    sq += p.grad.float().pow(2).sum()
+                    (sq_experts if moe.is_expert(name) else sq).add_(p.grad.float().pow(2).sum())
+        if self.ep > 1:
+            dist.all_reduce(sq_experts, group=ps.get_expert_model_parallel_group())
+        sq += sq_experts
         if self.tp * self.pp > 1:
             dist.all_reduce(sq, group=self.mp_group)
         grad_norm = float(sq.sqrt())
@@ -407,9 +473,12 @@ class MegatronBackend(StepTail):
         state = {}
         for chunk in self.chunks:
             state.update(full_mcore_state(chunk, self._gather))
+        state = moe.gather_experts(state) if self.ep > 1 else state  # every EP rank's experts
         return gather_stages(state, self.device) if self.pp > 1 else state
 
     def _hf_full(self) -> dict[str, Tensor]:
+        if self.value_head:  # HF token-classification names (score.weight), like FSDP's critic
+            return critic.export(self._mcore_full(), self.hf_config)
         return to_hf(self._mcore_full(), self.hf_config)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -421,7 +490,7 @@ class MegatronBackend(StepTail):
         """HF-named full model state (a tied head listed too, like HF's state_dict) and the AdamW
         state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere. Collective."""
         sd = {k: v.detach().cpu().clone() for k, v in self._hf_full().items()}
-        if getattr(self.hf_config, "tie_word_embeddings", False):
+        if getattr(self.hf_config, "tie_word_embeddings", False) and not self.value_head:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         osd = None
         if optimizer:
@@ -441,6 +510,7 @@ class MegatronBackend(StepTail):
                             flat[f"{names[name]}/{key}"] = v.detach()
             if self.pp > 1:
                 flat = gather_stages(flat, self.device)
+            flat = moe.gather_experts(flat) if self.ep > 1 else flat
             state: dict = {}
             for k, v in flat.items():
                 name, key = k.rsplit("/", 1)
@@ -467,8 +537,10 @@ class MegatronBackend(StepTail):
         load_train_state(Path(path) / "train_state", self.chunks, self.optimizer)
 
     def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
-        write_hf_dir(out, self.args.hf_checkpoint, self.hf_config,
-                     {k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        if moe.is_moe(self.hf_config):  # the checkpoint's per-expert names, as save_pretrained writes them
+            tensors = moe.hf_checkpoint_names(self.hf_config, tensors)
+        write_hf_dir(out, self.args.hf_checkpoint, self.hf_config, tensors)
 
     def close(self) -> None:
         if self._owns_mp and ps.model_parallel_is_initialized():

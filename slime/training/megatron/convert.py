@@ -143,9 +143,10 @@ def _split_qkv(qkv, n_heads: int, n_groups: int, d: int):
     return q, k, v
 
 
-def hf_to_mcore(state: dict, config, vocab_rows: int | None = None) -> dict:
+def hf_to_mcore(state: dict, config, vocab_rows: int | None = None, mlp: bool = True) -> dict:
     """HF state dict -> megatron GPTModel (local spec) state dict. vocab_rows pads the embedding
-    (and untied output layer) with zero rows up to that size."""
+    (and untied output layer) with zero rows up to that size; `mlp=False`: the MLPs are left out
+    (mixture-of-experts layers, mapped by slime.training.megatron.moe)."""
     check_config(config)
     state = dict(state)
     ng = num_kv_heads(config)
@@ -180,6 +181,8 @@ def hf_to_mcore(state: dict, config, vocab_rows: int | None = None) -> dict:
             out[m + "self_attention.k_layernorm.weight"] = take(h + "self_attn.k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = take(h + "self_attn.o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = take(h + "post_attention_layernorm.weight")
+        if not mlp:
+            continue
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [take(h + "mlp.gate_proj.weight"), take(h + "mlp.up_proj.weight")]).contiguous()
         out[m + "mlp.linear_fc2.weight"] = take(h + "mlp.down_proj.weight")
@@ -195,8 +198,9 @@ def hf_to_mcore(state: dict, config, vocab_rows: int | None = None) -> dict:
     return out
 
 
-def mcore_to_hf(state: dict, config, vocab_size: int | None = None) -> dict:
-    """megatron GPTModel (local spec) state dict -> HF state dict; vocab_size trims padded rows."""
+def mcore_to_hf(state: dict, config, vocab_size: int | None = None, mlp: bool = True) -> dict:
+    """megatron GPTModel (local spec) state dict -> HF state dict; vocab_size trims padded rows;
+    `mlp=False`: the MLPs are left out (as in hf_to_mcore)."""
     check_config(config)
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state") and v is not None}
     nq, ng, d = config.num_attention_heads, num_kv_heads(config), head_dim(config)
@@ -229,6 +233,8 @@ def mcore_to_hf(state: dict, config, vocab_size: int | None = None) -> dict:
             out[h + "self_attn.k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
         out[h + "self_attn.o_proj.weight"] = take(m + "self_attention.linear_proj.weight")
         out[h + "post_attention_layernorm.weight"] = take(m + "pre_mlp_layernorm.weight")
+        if not mlp:
+            continue
         gate, up = torch.chunk(take(m + "mlp.linear_fc1.weight"), 2, dim=0)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
         out[h + "mlp.down_proj.weight"] = take(m + "mlp.linear_fc2.weight")

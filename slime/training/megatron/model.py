@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime.training.megatron import convert as mc
+from slime.training.megatron import moe
 from slime.utils.pipeline_layout import PipelineLayout
 from slime.utils.errors import SlimeConfigError
 
@@ -46,7 +47,8 @@ def check_parallel_config(config, tp: int) -> None:
 
 def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32,
                 vocab_divisible_by: int = 128,
-                recompute: tuple[str | None, str | None, int | None] = (None, None, None), layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None):
+                recompute: tuple[str | None, str | None, int | None] = (None, None, None),
+                layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None, ep: int = 1):
     """A GPTModel for one tensor-parallel rank and one pipeline model chunk (`vp_stage` of this
     rank's pipeline stage; the whole model with PP 1). Embedding on the first stage, output
     layer on the last (megatron's parallel_state must be initialized with the same layout).
@@ -55,17 +57,22 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
 
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank of the last stage sees full [b, s, V_padded] logits.
+    A mixture-of-experts config gets megatron's MoE layers (moe.py; `ep`: the expert-parallel size).
     """
-    check_parallel_config(config, tp)
+    is_moe = moe.is_moe(config)
+    check_parallel_config(moe.dense_twin(config) if is_moe else config, tp)
     layout.check(config.num_hidden_layers)
     theta, _ = mc._rope(config)
     granularity, method, num_layers = recompute
-    tconf = dataclasses.replace(mc.transformer_config(config, dtype), tensor_model_parallel_size=tp,
+    base = moe.transformer_config(config, dtype, ep) if is_moe else mc.transformer_config(config, dtype)
+    tconf = dataclasses.replace(base, tensor_model_parallel_size=tp,
                                 sequence_parallel=sequence_parallel, recompute_granularity=granularity,
                                 recompute_method=method if granularity == "full" else None,
                                 recompute_num_layers=num_layers if granularity == "full" else None,
                                 **layout.config_fields(dtype))
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(config))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                    qk_layernorm=mc.has_qk_norm(moe.dense_twin(config) if is_moe else config),
+                                    num_experts=moe.num_experts(config) if is_moe else None, moe_grouped_gemm=False)
     vp = vp_stage if layout.vp > 1 else None
     if sequence_parallel:
         spec = _sequence_parallel_block(spec, tconf, vp)

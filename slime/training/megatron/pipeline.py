@@ -103,11 +103,16 @@ def gather_group_micro_batches(mb_tokens: list[list[int]], mb_lengths: list[int]
 
 
 class Pipeline:
-    """Runs micro-batches through this rank's model chunks with megatron's schedule."""
+    """Runs micro-batches through this rank's model chunks with megatron's schedule. `scores`: what
+    the last stage's output is scored as, per micro-batch, `(out, ids, prompt_lens, lens, *,
+    with_entropy, entropy_grad) -> (per-sample Tensors, per-sample entropies or Nones)`; default
+    the response tokens' log-probs (and entropy) at `temperature` (the critic: its values)."""
 
-    def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1):
+    def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1,
+                 scores: Callable | None = None):
         self.device, self.vocab_size, self.temperature = device, vocab_size, temperature
         self.seq_multiple = seq_multiple
+        self.score_fn = scores
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.vp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
 
@@ -134,6 +139,8 @@ class Pipeline:
                 num_microbatches=len(inputs), seq_length=shape[1], micro_batch_size=shape[0], forward_only=forward_only)
 
     def _scores(self, logits, ids, prompt_lens, lens, *, with_entropy: bool, entropy_grad: bool):
+        if self.score_fn is not None:
+            return self.score_fn(logits, ids, prompt_lens, lens, with_entropy=with_entropy, entropy_grad=entropy_grad)
         return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lens, self.temperature,
                                with_entropy=with_entropy, entropy_grad=entropy_grad)
 

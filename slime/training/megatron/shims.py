@@ -32,6 +32,17 @@ torch build. On a machine with CUDA none of these shims does anything.
    `causal_mask(s)` builds the same [1, 1, s, s] boolean mask (True = masked) on the CPU
    and the backend always passes it. Not a patch: an argument megatron accepts.
 
+4. Without Transformer Engine, megatron-core's MoE router gating (transformer/moe/moe_utils.py
+   RouterGatingLinearFunction) tests `te_general_gemm is not None`, a name the module defines only
+   when Transformer Engine imports. `define_missing_te_gemm()` defines it as None (the torch
+   matmul path megatron has for that case). Process-wide; a no-op when Transformer Engine is there.
+
+5. megatron's all-to-all token dispatcher (expert parallelism) creates a CUDA stream for its
+   device-to-host copies of the split sizes and moves them there (`_maybe_dtoh_and_synchronize`).
+   On the CPU the tensors are already in host memory: `cpu_alltoall_dispatcher()` gives the class a
+   placeholder stream and a `_maybe_dtoh_and_synchronize` that only turns the split sizes into the
+   numpy arrays megatron's GPU path produces. Process-wide; a no-op when CUDA is available.
+
 What is *not* used on the CPU: megatron's DistributedDataParallel and DistributedOptimizer
 (they allocate contiguous grad buffers on `torch.cuda.current_device()` and overlap
 communication on CUDA streams); slime reduces gradients itself (see backend.py).
@@ -79,3 +90,32 @@ def use_cpu_rng_tracker() -> None:
 def causal_mask(seq_len: int, device):
     """Shim 3: megatron's causal attention mask ([1, 1, s, s], True = masked), built on `device`."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def define_missing_te_gemm() -> None:
+    """Shim 4: megatron's MoE router gating names `te_general_gemm`; None selects its torch path."""
+    # megatron-core is optional: slime.training.megatron.convert imports this module without it
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def cpu_alltoall_dispatcher() -> None:
+    """Shim 5: megatron's all-to-all token dispatcher without CUDA streams (see the module docstring)."""
+    if torch.cuda.is_available():
+        return
+    # megatron-core is optional: slime.training.megatron.convert imports this module without it
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def host_values(self, point: str, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # never used as a stream on the CPU
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_values

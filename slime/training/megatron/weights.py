@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from slime.training.megatron import convert as mc
+from slime.training.megatron import moe
 from slime.utils.errors import SlimeError
 
 
@@ -38,12 +39,16 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
 def global_names(model) -> dict[str, str]:
-    """This model chunk's parameter names -> the whole model's megatron names."""
+    """This model chunk's parameter names -> the whole model's megatron names (an EP rank's local
+    experts under their global ids, slime.training.megatron.moe)."""
     out = {}
     for name, _ in model.named_parameters():
         m = _LAYER.fullmatch(name)
         out[name] = f"decoder.layers.{model.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}" if m \
             else name
+        if m and moe.is_expert(name):
+            experts = model.decoder.layers[int(m.group(1))].mlp.experts
+            out[name] = moe.global_expert_name(out[name], experts.num_local_experts, moe.ep_rank())
     return out
 
 
@@ -86,13 +91,20 @@ def unshard(name: str, shards: list[Tensor], dim: int | None) -> Tensor:
 def load_hf_into(model, hf_state: dict[str, Tensor], config, tp: int, tp_rank: int) -> None:
     """Copy a HF state dict into this TP rank's GPTModel chunk; every parameter must be covered
     (and, for a whole model, every tensor of the checkpoint used)."""
+    full = (moe.hf_to_mcore if moe.is_moe(config) else mc.hf_to_mcore)(hf_state, config, vocab_rows=model.vocab_size)
+    load_mcore_into(model, full, tp, tp_rank)
+
+
+def load_mcore_into(model, full: dict[str, Tensor], tp: int, tp_rank: int) -> None:
+    """Copy whole-model megatron tensors (full, unsharded) into this TP rank's GPTModel chunk, with
+    the checks of `load_hf_into`."""
     params = dict(model.named_parameters())
     names = global_names(model)
-    full = mc.hf_to_mcore(hf_state, config, vocab_rows=model.vocab_size)
     if "output_layer.weight" in params and is_tied_duplicate(model, "output_layer.weight"):
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     missing = sorted(n for n in params if names[n] not in full)
-    unexpected = sorted(set(full) - set(params)) if model.pre_process and model.post_process else []
+    unexpected = sorted(set(full) - set(names.values()) - {n for n in full if moe.is_expert(n)}) \
+        if model.pre_process and model.post_process else []
     if missing or unexpected:
         raise SlimeError(f"weights do not match the megatron model (missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]})")
@@ -120,4 +132,5 @@ def full_mcore_state(model, gather: Callable[[Tensor], list[Tensor]]) -> dict[st
 
 def to_hf(mcore_state: dict[str, Tensor], config) -> dict[str, Tensor]:
     """Full megatron state -> HF state (vocabulary trimmed to the config's; a tied head omitted)."""
-    return mc.mcore_to_hf(mcore_state, config, vocab_size=config.vocab_size)
+    return (moe.mcore_to_hf if moe.is_moe(config) else mc.mcore_to_hf)(mcore_state, config,
+                                                                       vocab_size=config.vocab_size)

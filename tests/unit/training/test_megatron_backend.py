@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core")
 
 from slime.training.megatron.dist_checkpoint import is_train_state  # noqa: E402
 from slime.utils.errors import SlimeConfigError  # noqa: E402
+from torch import Tensor  # noqa: E402
 from tests.helpers.training import (  # noqa: E402
     COMMON,
     assert_states_close,
@@ -83,7 +84,6 @@ def _save_variant(cls, cfg, seed, tiny_model_dir, out):
     (["--context-parallel-size", 2, "--actor-num-gpus-per-node", 2], "--context-parallel-size > 1 needs Transformer"),
     (["--tensor-model-parallel-size", 2], r"\(2 x 1 x 1 = 2\) must divide the 1 train ranks"),
     (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-    (["--advantage-estimator", "ppo"], "ppo .* not supported with --train-backend megatron"),
 ])
 def test_megatron_flags_are_validated(tiny_model_dir, tmp_path, extra, message):
     with pytest.raises(SlimeConfigError, match=message):
@@ -296,3 +296,118 @@ def test_train_state_saved_at_one_layout_resumes_at_another(tiny_model_dir, tmp_
     for k in deterministic(m_a):
         assert m_b[k] == pytest.approx(m_a[k], rel=1e-4, abs=1e-6), k
     assert_states_close(t_b, t_a, atol=1e-5)
+
+
+# ---------------------------------------------------------------- PPO critic (value head)
+
+
+def _returns(batch, seed=21):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(r, generator=g) for r in batch.response_lengths]
+
+
+def _critic_steps(critic, batch, returns) -> tuple[list[Tensor], dict, list[Tensor]]:
+    """(values before training, metrics of one rollout of two critic steps, values after) of a local critic."""
+    before = critic.compute_values(0, batch)
+    metrics = critic.train_critic(0, batch, returns)
+    return before, deterministic(metrics), critic.compute_values(1, batch)
+
+
+def _assert_critics_match(got, want, values_atol=1e-5):
+    (b1, m1, a1), (b2, m2, a2) = got, want
+    for x, y in zip(b1, b2):
+        torch.testing.assert_close(x, y, atol=values_atol, rtol=0)  # before training: the same head, the same backbone
+    assert set(m1) == set(m2) and "critic/value_loss" in m1
+    for k in m2:
+        assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
+    for x, y in zip(a1, a2):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def test_critic_matches_fsdp_critic(tiny_model_dir, tmp_path):
+    """The megatron critic starts from the FSDP critic's weights (HF's token-classification model,
+    `score` initialized under the same seed): the same values, and after two critic steps the same
+    metrics, values and HF-named weights (score.weight and score.bias included)."""
+    from transformers import AutoModelForTokenClassification
+
+    flags = [*COMMON, "--micro-batch-size", 2, "--advantage-estimator", "ppo", "--critic-lr", 2e-3]
+    batch = synthetic_batch(tiny_model_dir, 8, seed=17)
+    returns = _returns(batch)
+    runs = {}
+    for backend in ("fsdp", "megatron"):
+        critic = local_actor(make_args(tiny_model_dir, tmp_path, *flags, "--train-backend", backend), role="critic")
+        try:
+            runs[backend] = (_critic_steps(critic, batch, returns), critic.full_state(optimizer=False)[0])
+            if backend == "megatron":
+                critic.save(str(tmp_path / "ckpt"))
+        finally:
+            critic.shutdown()
+    (got, state), (want, fsdp_state) = runs["megatron"], runs["fsdp"]
+    _assert_critics_match(got, want)
+    assert {"score.weight", "score.bias"} <= set(state) and "lm_head.weight" not in state
+    assert set(state) == set(fsdp_state)
+    assert_states_close(state, fsdp_state, atol=1e-5)
+    # the HF export is a token-classification checkpoint
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "ckpt" / "hf", num_labels=1, dtype=torch.float32)
+    assert_states_close({k: hf.state_dict()[k] for k in state}, state, atol=0)
+
+
+def _critic_layouts(model_dir, tmp_path, layouts, batch, returns, extra):
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    results = {}
+    for name, (ranks, flags, mbs) in layouts.items():
+        args = make_args(model_dir, tmp_path, *COMMON, "--train-backend", "megatron", "--actor-num-gpus-per-node",
+                         ranks, "--micro-batch-size", mbs, *extra, *flags)
+        group = TrainGroup(args, role="critic")
+        try:
+            group.init()
+            idx = batch.rank_indices(args.dp_size, args.global_batch_size)
+            refs = [ray.put(batch.select(i)) for i in idx]
+            rets = [[returns[j] for j in i] for i in idx]
+            ids = [0] * len(idx)
+
+            def values(rollout):
+                out = [None] * len(batch)
+                for i, vs in zip(idx, group._call("compute_values", [rollout] * len(idx), refs)):
+                    for j, v in zip(i, vs):
+                        out[j] = v
+                return out
+
+            before = values(0)
+            metrics = group._call("train_critic", ids, refs, rets)
+            assert all(m == metrics[0] for m in metrics[1:])  # every rank reports the group's metrics
+            results[name] = (before, deterministic(metrics[0]), values(1))
+        finally:
+            group.shutdown()
+    return results
+
+
+@pytest.mark.slow
+def test_critic_tensor_and_pipeline_parallel_match_one_rank(tiny_model_dir, tmp_path, ray_session):
+    """TP 2 with sequence parallelism (the value head is replicated: its gradient, identical on both
+    TP ranks, counts once in the norm) and PP 2, on a 4-layer Qwen3 model (q/k norms, untied
+    embeddings), against one rank: the same values before training, and after two critic steps the
+    same metrics and values."""
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    common = {k: v for k, v in cfg.to_dict().items() if k not in ("model_type", "architectures")}
+    cfg = Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                         "num_hidden_layers": 4, "tie_word_embeddings": False})
+    model_dir = _save_variant(Qwen3ForCausalLM, cfg, 6, tiny_model_dir, tmp_path / "qwen3_four")
+    batch, flags = synthetic_batch(model_dir, 8, seed=18), ["--advantage-estimator", "ppo", "--critic-lr", 2e-3]
+    returns = _returns(batch)
+    one = local_actor(make_args(model_dir, tmp_path, *COMMON, *flags, "--train-backend", "megatron",
+                                "--micro-batch-size", 4), role="critic")  # in this process: no Ray actor to start
+    try:
+        want = _critic_steps(one, batch, returns)
+    finally:
+        one.shutdown()
+    layouts = {"tp2_sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"], 2),
+               "pp2": (2, ["--pipeline-model-parallel-size", 2], 1)}
+    results = _critic_layouts(model_dir, tmp_path, layouts, batch, returns, flags)
+    for name in layouts:
+        _assert_critics_match(results[name], want)

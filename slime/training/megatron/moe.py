@@ -1,0 +1,338 @@
+"""Mixture of experts on the megatron backend: Qwen3-MoE, Mixtral and Qwen2-MoE as megatron-core
+MoE layers (local spec: `TopKRouter`, `SequentialMLP` experts, no grouped GEMM), their HF weights,
+expert parallelism and the routing hook. Imports megatron-core at the top, like backend.py.
+
+Model. `transformer_config(config, dtype, ep)`: the dense config of the same attention
+(convert.py, with the MoE family's dense twin: qwen3_moe -> qwen3, qwen2_moe -> qwen2,
+mixtral -> llama) plus megatron's MoE fields: `num_moe_experts`, `moe_router_topk`,
+`moe_ffn_hidden_size`, and the router math of the HF block:
+  * top-k of the softmax, renormalized (Qwen3-MoE `norm_topk_prob`, Mixtral always): megatron's
+    `moe_router_pre_softmax=False` (top-k of the logits, softmax over the k), the same numbers;
+  * top-k of the softmax, not renormalized (Qwen2-MoE / Qwen3-MoE without `norm_topk_prob`):
+    `moe_router_pre_softmax=True`;
+  * Qwen2-MoE's shared expert and its sigmoid gate: `moe_shared_expert_intermediate_size` and
+    `moe_shared_expert_gate` (megatron's SharedExpertMLP: sigmoid(x . gate_weight) x SwiGLU(x),
+    HF's `sigmoid(shared_expert_gate(x)) * shared_expert(x)`).
+megatron's own load-balancing loss is off (`moe_aux_loss_coeff=0`): slime adds the Hugging Face
+formula itself (slime.training.moe.TrainRouting), so both backends add the same loss.
+
+Weights (HF names as transformers 5 holds them in memory: a layer's experts fused into
+`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I]):
+    mlp.gate.weight                          mlp.router.weight
+    mlp.experts.gate_up_proj[e]              mlp.experts.local_experts.<j>.linear_fc1.weight
+    mlp.experts.down_proj[e]                 mlp.experts.local_experts.<j>.linear_fc2.weight
+    mlp.shared_expert.{gate,up}_proj         mlp.shared_experts.linear_fc1.weight (gate rows, then up)
+    mlp.shared_expert.down_proj              mlp.shared_experts.linear_fc2.weight
+    mlp.shared_expert_gate.weight            mlp.shared_experts.gate_weight
+With `--expert-model-parallel-size P` EP rank r holds the experts r*E/P .. (r+1)*E/P - 1 as its
+local experts 0 .. E/P - 1: `global_expert_names` gives them their global ids, so the whole-model
+megatron names are those of one rank holding every expert.
+
+Routing (`MegatronRoutingHook`): the same interface as slime.utils.moe_routing.RoutingHook, so
+`TrainRouting` (aux loss, usage metrics, R2/R3 replay) runs unchanged. It puts an object with the
+interface of megatron's `RouterReplay` (`get_replay_topk`, the hook megatron's top-k calls) on
+every router: it records the experts chosen and, when replaying, forces the given experts (a row
+of -1 keeps the router's choice). megatron's routers see tokens in (position, sample) order; the
+hook converts to and from slime's (sample, position) order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import re
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from slime.training.megatron import convert as mc
+from slime.training.megatron import shims
+from slime.training.moe import TrainRouting
+from slime.utils.errors import SlimeConfigError, SlimeError
+from slime.utils.hf_export import checkpoint_names
+from slime.utils.moe_routing import Recording
+
+DENSE_TWIN = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama"}
+_EXPERT = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+
+
+def is_moe(config) -> bool:
+    return getattr(config, "model_type", None) in DENSE_TWIN
+
+
+def num_experts(config) -> int:
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts"))
+
+
+def expert_ffn(config) -> int:
+    return int(config.intermediate_size if config.model_type == "mixtral" else config.moe_intermediate_size)
+
+
+def shared_ffn(config) -> int:
+    return int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if config.model_type == "qwen2_moe" else 0
+
+
+def renormalizes(config) -> bool:
+    return config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+
+
+def dense_twin(config):
+    """The config with the MoE family's dense model type: what convert.py maps (attention, norms)."""
+    twin = copy.deepcopy(config)
+    twin.model_type = DENSE_TWIN[config.model_type]
+    twin.intermediate_size = expert_ffn(config)
+    return twin
+
+
+def check_moe_config(config, tp: int, pp: int, ep: int) -> None:
+    """Refuse what this module does not build, one line each."""
+    mt = config.model_type
+    if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+        raise SlimeConfigError(f"{mt}: dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
+                               "are not built on the megatron backend; use --train-backend fsdp")
+    if tp > 1 or pp > 1:
+        raise SlimeConfigError("mixture-of-experts models on --train-backend megatron: tensor and pipeline "
+                               "parallelism are not built yet (use --expert-model-parallel-size and data parallelism)")
+    if num_experts(config) % ep:
+        raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the model's {num_experts(config)} "
+                               "experts")
+
+
+def transformer_config(config, dtype, ep: int = 1):
+    """megatron's TransformerConfig of an HF MoE config (see the module docstring)."""
+    shims.define_missing_te_gemm()
+    shims.cpu_alltoall_dispatcher()
+    base = mc.transformer_config(dense_twin(config), dtype)
+    fields = dict(num_moe_experts=num_experts(config), moe_router_topk=int(config.num_experts_per_tok),
+                  moe_ffn_hidden_size=expert_ffn(config), moe_router_pre_softmax=not renormalizes(config),
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    if shared_ffn(config):
+        fields.update(moe_shared_expert_intermediate_size=shared_ffn(config), moe_shared_expert_gate=True)
+    return dataclasses.replace(base, **fields)
+
+
+# ------------------------------------------------------------------ weights
+
+def _ep() -> tuple[int, int]:
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+
+
+def ep_rank() -> int:
+    return _ep()[1]
+
+
+def is_expert(name: str) -> bool:
+    return _EXPERT.fullmatch(name) is not None
+
+
+def global_expert_name(name: str, local_experts: int, ep_rank: int) -> str:
+    m = _EXPERT.fullmatch(name)
+    return f"{m.group(1)}{ep_rank * local_experts + int(m.group(2))}{m.group(3)}" if m else name
+
+
+def hf_to_mcore(state: dict, config, vocab_rows: int | None) -> dict:
+    """Fused HF state -> the whole-model megatron state (every expert, global ids)."""
+    state = dict(state)
+    out = {}
+    for i in range(config.num_hidden_layers):
+        h, m = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+        try:
+            out[m + "router.weight"] = state.pop(h + "gate.weight")
+            gate_up, down = state.pop(h + "experts.gate_up_proj"), state.pop(h + "experts.down_proj")
+        except KeyError as e:
+            raise SlimeError(f"HF checkpoint has no {e.args[0]}") from None
+        for e in range(gate_up.shape[0]):
+            out[f"{m}experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e].contiguous()
+            out[f"{m}experts.local_experts.{e}.linear_fc2.weight"] = down[e].contiguous()
+        if shared_ffn(config):
+            out[m + "shared_experts.linear_fc1.weight"] = torch.cat(
+                [state.pop(h + "shared_expert.gate_proj.weight"), state.pop(h + "shared_expert.up_proj.weight")])
+            out[m + "shared_experts.linear_fc2.weight"] = state.pop(h + "shared_expert.down_proj.weight")
+            out[m + "shared_experts.gate_weight"] = state.pop(h + "shared_expert_gate.weight")
+    out.update(mc.hf_to_mcore(state, dense_twin(config), vocab_rows=vocab_rows, mlp=False))
+    return out
+
+
+def mcore_to_hf(state: dict, config, vocab_size: int | None) -> dict:
+    """The whole-model megatron state -> fused HF state (the names transformers holds in memory)."""
+    state = dict(state)
+    out = {}
+    n = num_experts(config)
+    for i in range(config.num_hidden_layers):
+        h, m = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+        out[h + "gate.weight"] = state.pop(m + "router.weight")
+        out[h + "experts.gate_up_proj"] = torch.stack(
+            [state.pop(f"{m}experts.local_experts.{e}.linear_fc1.weight") for e in range(n)])
+        out[h + "experts.down_proj"] = torch.stack(
+            [state.pop(f"{m}experts.local_experts.{e}.linear_fc2.weight") for e in range(n)])
+        if shared_ffn(config):
+            gate, up = torch.chunk(state.pop(m + "shared_experts.linear_fc1.weight"), 2, dim=0)
+            out[h + "shared_expert.gate_proj.weight"], out[h + "shared_expert.up_proj.weight"] = \
+                gate.contiguous(), up.contiguous()
+            out[h + "shared_expert.down_proj.weight"] = state.pop(m + "shared_experts.linear_fc2.weight")
+            out[h + "shared_expert_gate.weight"] = state.pop(m + "shared_experts.gate_weight")
+    out.update(mc.mcore_to_hf(state, dense_twin(config), vocab_size=vocab_size, mlp=False))
+    return out
+
+
+def gather_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` (whole-model names) with every EP rank's experts; collective over the EP group."""
+    ep, _ = _ep()
+    if ep == 1:
+        return state
+    mine = {k: v.detach().cpu() for k, v in state.items() if is_expert(k.split("/")[0])}  # "name[/moment]"
+    parts: list = [None] * ep
+    dist.all_gather_object(parts, mine, group=ps.get_expert_model_parallel_group())
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    out = dict(state)
+    for p in parts:
+        out.update({k: v.to(device) for k, v in p.items()})
+    return out
+
+
+def hf_checkpoint_names(config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Fused in-memory HF names -> the checkpoint's per-expert names (what `save_pretrained` writes)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return checkpoint_names(model, tensors)
+
+
+# ------------------------------------------------------------------ routing
+
+class _Replay:
+    """Duck-typed megatron `RouterReplay` of one router: megatron's top-k calls `get_replay_topk`."""
+
+    def __init__(self, hook: "MegatronRoutingHook", layer: int):
+        self.hook, self.layer = hook, layer
+        self.target: Tensor | None = None  # [N, K] in megatron's token order; -1 rows: the router's choice
+        self.chosen: Tensor | None = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        vals, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is not None:
+            forced = self.target.to(idx.device).long()
+            keep = (forced >= 0).all(dim=-1, keepdim=True)
+            idx = torch.where(keep, forced, idx)
+            vals = scores.gather(1, idx)
+        self.chosen = idx
+        return vals, idx
+
+
+class MegatronRoutingHook:
+    """slime.utils.moe_routing.RoutingHook's interface over a megatron-core model's TopKRouters."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.num_layers = len(self.routers)
+        self.top_k = int(self.routers[0].topk) if self.routers else 0
+        self.num_experts = int(self.routers[0].config.num_moe_experts) if self.routers else 0
+        self._recording: Recording | None = None
+        self._replay: Tensor | None = None
+        for layer, router in enumerate(self.routers):
+            router.router_replay = _Replay(self, layer)
+            router.routing = self._wrap(router, layer, router.routing)
+
+    def _wrap(self, router, layer: int, routing):
+        def wrapped(logits: Tensor, padding_mask=None):
+            s, b = logits.shape[:2]
+            replay = router.router_replay
+            replay.target = None
+            if self._replay is not None:  # slime's rows are (sample, position); megatron's (position, sample)
+                rows = self._replay[:, layer]
+                replay.target = rows.reshape(b, s, -1).transpose(0, 1).reshape(s * b, -1)
+            out = routing(logits, padding_mask=padding_mask)
+            if self._recording is not None:
+                idx = replay.chosen.reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
+                # (sample, position) rows by index (its backward is a contiguous gradient, as megatron's needs)
+                order = torch.arange(s * b, device=logits.device).reshape(s, b).t().reshape(-1)
+                lg = logits.reshape(s * b, -1).index_select(0, order)
+                self._recording._add(layer, idx.to(torch.int32), lg)
+            replay.target = replay.chosen = None
+            return out
+        return wrapped
+
+    @contextlib.contextmanager
+    def recording(self):
+        self._recording = rec = Recording()
+        try:
+            yield rec
+        finally:
+            self._recording = None
+
+    @contextlib.contextmanager
+    def replaying(self, indices: Tensor):
+        if indices.dim() != 3 or indices.shape[1] != self.num_layers or indices.shape[2] != self.top_k:
+            raise ValueError(f"routing replay: expected [tokens, {self.num_layers}, {self.top_k}] expert ids, "
+                             f"got {tuple(indices.shape)}")
+        self._replay = indices
+        try:
+            with self.recording() as rec:
+                yield rec
+        finally:
+            self._replay = None
+
+
+class MegatronRouting(TrainRouting):
+    """TrainRouting over a megatron-core model (the hook above in place of the HF one)."""
+
+    def __init__(self, model: torch.nn.Module, aux_coef: float = 0.0):
+        self.hook = MegatronRoutingHook(model)
+        self.enabled = self.hook.num_layers > 0
+        self.aux_coef = float(aux_coef)
+        self.usage = None
+
+
+# ------------------------------------------------------------------ the backend's MoE steps
+
+GPU_ONLY_FLAGS = (("moe_grouped_gemm", "--moe-grouped-gemm"), ("moe_permute_fusion", "--moe-permute-fusion"),
+                  ("moe_enable_deepep", "--moe-enable-deepep"))
+
+
+def check_moe_args(args, config, tp: int, pp: int, ep: int, world_size: int) -> None:
+    """The megatron backend's MoE start-up checks (one line each)."""
+    check_moe_config(config, tp, pp, ep)
+    if world_size % ep:
+        raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the {world_size} train ranks")
+    for attr, flag in GPU_ONLY_FLAGS:
+        if getattr(args, attr, False):
+            raise SlimeConfigError(f"{flag} needs GPU kernels; slime's megatron MoE layers run SequentialMLP "
+                                   "experts with the all-to-all / all-gather dispatcher")
+    if getattr(args, "moe_token_dispatcher_type", None) == "flex":
+        raise SlimeConfigError("--moe-token-dispatcher-type flex needs DeepEP / GPU kernels; use alltoall or "
+                               "allgather")
+    if ep > 1 and getattr(args, "use_distributed_optimizer", False):
+        raise SlimeConfigError("--use-distributed-optimizer with --expert-model-parallel-size > 1 is not built "
+                               "(the ZeRO-1 shards assume parameters replicated over the data-parallel group)")
+
+
+@contextlib.contextmanager
+def policy_routing(backend, model, mb):
+    """Around a forward of `mb`: the policy's routing replayed / recorded (`backend.last_routing`)."""
+    if model is not backend.model or not backend.routing.enabled or not mb.tokens:
+        yield None
+        return
+    with backend.routing.forward(mb.routed_experts, *routing_layout(mb)) as backend.last_routing:
+        yield backend.last_routing
+
+
+def routing_layout(mb) -> tuple[list[int], bool, int]:
+    """How megatron's routers see a micro-batch (slime's order): right-padded rows of the longest sample."""
+    lens = [len(t) for t in mb.tokens]
+    return lens, False, max(lens) if lens else 0
+
+
+def idle_forward(model, device, backward: bool) -> None:
+    """A rank with no samples under expert parallelism still joins the token dispatch (all-to-all)
+    of the other EP ranks' forward (and backward): one token, output unused (zero gradient)."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with torch.set_grad_enabled(backward), shims.cpu_only_cuda_shims():
+        out = model(ids, torch.zeros_like(ids), attention_mask=shims.causal_mask(1, device))
+        if backward:
+            (out.sum() * 0.0).backward()

@@ -1,0 +1,159 @@
+"""Mixture of experts on the megatron backend (`--train-backend megatron`, slime.training.megatron.moe)
+on CPU (gloo): the tiny Qwen3-MoE / Mixtral / Qwen2-MoE give the Hugging Face model's log-probs, the
+HF names round trip (and the saved checkpoint carries the per-expert names), the load-balancing loss
+equals the FSDP backend's, rollout routing replay forces the given experts, and expert parallelism
+(2 ranks) matches one rank. Skipped without megatron-core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from slime.training.backend import MicroBatch  # noqa: E402
+from slime.utils.errors import SlimeConfigError  # noqa: E402
+from slime.utils.moe_routing import RoutingHook  # noqa: E402
+from slime.utils.tiny_model import build_tiny_moe_model  # noqa: E402
+from tests.helpers.training import (  # noqa: E402
+    COMMON,
+    TEMPERATURE,
+    assert_states_close,
+    deterministic,
+    local_actor,
+    make_args,
+    synthetic_batch,
+)
+
+MEGATRON = ["--train-backend", "megatron"]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    return {f: str(build_tiny_moe_model(tmp_path_factory.mktemp(f), seed=1, family=f))
+            for f in ("qwen3_moe", "mixtral", "qwen2_moe")}
+
+
+def _hf_log_probs(model_dir, batch, idx, routed=None):
+    """Response log-probs of a plain HF fp32 forward per sample (forced to `routed[i]` when given)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hook = RoutingHook(model)
+    out = []
+    for i in idx:
+        toks, n = batch.tokens[i], batch.response_lengths[i]
+        with torch.no_grad():
+            if routed is None:
+                logits = model(torch.tensor([toks]), use_cache=False).logits[0]
+            else:
+                rows = torch.cat([routed[i], torch.full((1, routed[i].shape[1]), -1, dtype=torch.int32)])
+                with hook.replaying(rows.reshape(len(toks), hook.num_layers, hook.top_k)):
+                    logits = model(torch.tensor([toks]), use_cache=False).logits[0]
+        p = len(toks) - n
+        lp = torch.log_softmax(logits.float() / TEMPERATURE, -1)[p - 1: p - 1 + n]
+        out.append(lp.gather(-1, torch.tensor(toks[p:])[:, None])[:, 0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_megatron_moe_matches_hf_and_round_trips_names(family, moe_dirs, tmp_path):
+    model_dir = moe_dirs[family]
+    batch = synthetic_batch(model_dir, 4, seed=21)
+    actor = local_actor(make_args(model_dir, tmp_path, *COMMON, *MEGATRON, "--micro-batch-size", 2))
+    try:
+        be = actor.backend
+        mb = actor._mb(batch, [0, 1, 2])
+        lp, _ = be.forward_logprobs(mb)
+        assert (lp.cpu() - _hf_log_probs(model_dir, batch, [0, 1, 2])).abs().max() < 1e-5
+        hf_sd = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+        named = dict(be.named_weights())  # the names the weight push sends: transformers' in-memory (fused) ones
+        assert set(named) == set(hf_sd) - {"lm_head.weight"}
+        assert_states_close(named, {k: hf_sd[k] for k in named}, atol=0)
+        actor.save(str(tmp_path / "ckpt"))
+    finally:
+        actor.shutdown()
+    with safe_open(str(tmp_path / "ckpt" / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in keys or \
+        "model.layers.0.block_sparse_moe.experts.3.w2.weight" in keys  # the checkpoint's per-expert names
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf", dtype=torch.float32).state_dict()
+    assert_states_close({k: reloaded[k] for k in named}, named, atol=0)
+
+
+def test_megatron_aux_loss_equals_fsdp_and_replay_forces_experts(moe_dirs, tmp_path):
+    """The load-balancing loss of one training forward is the FSDP backend's (the same HF formula);
+    R3: the forward uses the given experts and gives the HF model's log-probs forced to them."""
+    model_dir = moe_dirs["qwen3_moe"]
+    batch = synthetic_batch(model_dir, 8, seed=22)
+    aux = {}
+    for backend in ("fsdp", "megatron"):
+        (tmp_path / backend).mkdir()
+        actor = local_actor(make_args(model_dir, tmp_path / backend, *COMMON, "--train-backend", backend,
+                                      "--moe-aux-loss-coeff", 1.0, "--disable-sequence-packing"))
+        try:
+            be = actor.backend
+            mb = actor._mb(batch, [0, 1, 2, 3])
+            be.forward_logprobs(mb, grad=True)
+            aux[backend] = float(be.routing.training_forward(be.last_routing, *be.routing_layout(mb)).detach())
+            if backend == "megatron":
+                own = be.routing.recorded_per_sample(be.last_routing, *be.routing_layout(mb))
+                forced = [((r + 1) % 4).reshape(r.shape[0], -1) for r in own]
+                lp, _ = be.forward_logprobs(MicroBatch(mb.tokens, mb.response_lengths, forced))
+                used = be.routing.recorded_per_sample(be.last_routing, *be.routing_layout(mb))
+                assert all(torch.equal(u.reshape(u.shape[0], -1), f) for u, f in zip(used, forced))
+                expect = _hf_log_probs(model_dir, batch, [0, 1, 2, 3], routed=dict(enumerate(forced)))
+                assert (lp.cpu() - expect).abs().max() < 1e-5
+                metrics = actor.train(0, batch)
+                assert metrics["train/moe/layer_1/experts_used"] == 4.0
+        finally:
+            actor.shutdown()
+    assert aux["megatron"] == pytest.approx(aux["fsdp"], rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm: needs GPU kernels"),
+    (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex: needs GPU kernels"),
+    (["--expert-model-parallel-size", 2], "--expert-model-parallel-size 2: must divide the 1 train ranks"),
+])
+def test_megatron_moe_flags(moe_dirs, tmp_path, flags, message):
+    with pytest.raises(SlimeConfigError, match=message):
+        local_actor(make_args(moe_dirs["qwen3_moe"], tmp_path, *COMMON, *MEGATRON, *flags))
+
+
+@pytest.mark.slow
+def test_expert_parallel_matches_one_rank(moe_dirs, tmp_path, ray_session):
+    """EP 2 (2 ranks, 2 experts each, all-to-all over gloo) and one rank: the same metrics (expert usage
+    and grad norm included), weights and AdamW state after two steps."""
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    model_dir = moe_dirs["qwen3_moe"]
+    batch = synthetic_batch(model_dir, 8, seed=23)
+    layouts = {"one": (1, [], 2), "ep2": (2, ["--expert-model-parallel-size", 2], 1)}
+    results = {}
+    for name, (ranks, flags, mbs) in layouts.items():
+        args = make_args(model_dir, tmp_path, *COMMON, *MEGATRON, "--actor-num-gpus-per-node", ranks,
+                         "--micro-batch-size", mbs, *flags)
+        group = TrainGroup(args)
+        try:
+            group.init()
+            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+            results[name] = ([group.train(0, refs), group.train(1, refs)], group.full_state(optimizer=True))
+        finally:
+            group.shutdown()
+    m1, (s1, o1) = results["one"]
+    assert m1[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    assert "train/moe/layer_0/max_load" in m1[0]
+    metrics, (s2, o2) = results["ep2"]
+    for step in range(2):
+        assert set(metrics[step]) == set(m1[step])
+        for k in deterministic(m1[step]):
+            assert metrics[step][k] == pytest.approx(m1[step][k], rel=1e-4, abs=1e-6), (step, k)
+    assert set(s2) == set(s1)
+    assert_states_close(s2, s1, atol=1e-5)
+    assert set(o2["state"]) == set(o1["state"])
+    for pname, st in o1["state"].items():
+        torch.testing.assert_close(o2["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
