@@ -20,3 +20,14 @@ def cpu_threads(args, role: str, processes: int | None = None) -> int:
     if processes is None:
         processes = args.dp_size if role == "train" else args.num_engines
     return max(1, int((os.cpu_count() or 1) * share) // max(1, processes))
+
+
+def default_num_threads() -> int:
+    """OMP_NUM_THREADS when set, else the CPUs this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 import uuid
@@ -58,6 +57,7 @@ from slime.engines.native.routing import EngineRouting
 from slime.engines.native.sampling import request_seed, sample_next_tokens
 from slime.engines.native import vision
 from slime.engines.native.weights import EngineWeights
+from slime.utils.threads import default_num_threads
 from slime.utils.vision import load_lm
 from slime.engines.protocol import (
     GenerateInput,
@@ -592,14 +592,3 @@ class NativeEngine(EngineWeights, EngineLora):
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
-
-
-def default_num_threads() -> int:
-    """OMP_NUM_THREADS when set, else the CPUs this process may run on."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
