@@ -19,7 +19,6 @@ from __future__ import annotations
 import tempfile
 import time
 
-import ray
 from tqdm import tqdm
 
 from slime import checkpoint
@@ -28,7 +27,7 @@ from slime.ray import cluster, placement
 from slime.ray.actor_group import NoTraining, TrainGroup
 from slime.utils import run_dirs
 from slime.utils.ray_calls import get
-from slime.rollout.manager import RolloutManager
+from slime.rollout.manager import start_rollout_manager
 
 
 class Run:
@@ -41,10 +40,8 @@ class Run:
         cluster.init(args)
         pgs = placement.create(args)
 
-        # Rollout: data source, engines, rewards (max_concurrency=2: progress polls and control calls
-        # answer while a generate call is in flight). The engines start while the train ranks do.
-        self.rollout = ray.remote(num_cpus=0, max_concurrency=2)(RolloutManager).remote(args, pgs)
-        rollout_ready = self.rollout.init.remote()
+        # Rollout: data source, engines, rewards. The engines start while the train ranks do.
+        self.rollout, rollout_ready = start_rollout_manager(args, pgs)
 
         # Training: data-parallel train ranks, resumed from --load when it holds a checkpoint.
         bundles = [(pgs.pg, b) for b in pgs.actor_bundles]
@@ -67,7 +64,7 @@ class Run:
             served = get(self.rollout.served_model_urls.remote(), "start-up", "RolloutManager", args.stage_timeout)
             print("slime: served beside the policy (" + args.policy_model_name + "): "
                   + "; ".join(f"{name} at {', '.join(urls)}" for name, urls in served.items()))
-        for note in getattr(args, "start_up_notes", ()):  # what slime's script flags given mean here (slime.script_flags)
+        for note in getattr(args, "start_up_notes", ()):  # what slime's script flags mean here (slime.script_flags)
             print(f"slime: {note}")
 
     def rollout_ids(self):
@@ -113,7 +110,8 @@ class Run:
         stats = self.actor.offload()
         h["perf/offload_time"], h["memory/train_rss_mb_offloaded"] = stats["seconds"], stats["rss"] / 2**20
         h["memory/train_offloaded_mb"] = stats["bytes"] / 2**20
-        h.update(get(self.rollout.onload_kv.remote(), "engine memory resume", "RolloutManager", self.args.stage_timeout))
+        h.update(get(self.rollout.onload_kv.remote(), "engine memory resume", "RolloutManager",
+                     self.args.stage_timeout))
 
     def train(self, rollout_id: int, data_refs) -> dict[str, float]:
         start = time.perf_counter()

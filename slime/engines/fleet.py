@@ -4,7 +4,9 @@ health checks and restarts.
 `EngineFleet(args, placement, loop)` lives in the RolloutManager. `start()` launches one
 `EngineServer` Ray actor per engine on its placement bundle (the command of the run's engine kind,
 `slime.engines.kinds`), starts sglang-router (or connects to `--sglang-router-ip/port`), registers
-every engine and, with `--use-fault-tolerance`, starts the health monitor. Then:
+every engine and, with `--use-fault-tolerance`, starts the health monitor. The launch can happen
+before the fleet exists (`launch_engines`, handed over as `launched=`): the RolloutManager's process
+then starts beside its engines instead of before them. Then:
 
 - `await fleet.generate(payload)`: one `/generate` through the router, at most
   `--sglang-server-concurrency` x engines in flight, retried under fault tolerance (`EnginePool`);
@@ -26,6 +28,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
@@ -173,21 +176,45 @@ class EnginePool:
             await c.close()
 
 
+@dataclass
+class LaunchedEngines:
+    """Engine actors whose start-up is under way (`launch_engines`), for the `EngineFleet` that will
+    serve through them: `connect` waits for `starts`, one ref of each server's URL."""
+    servers: list
+    starts: list
+
+
+def launch_engines(args, placement, name: str | None = None) -> LaunchedEngines:
+    """Create one `EngineServer` actor per engine of the policy (or of the frozen model `name`, with
+    `args` its `model_args`) on its placement bundle and start them all at once (each start-up is
+    bounded by its health wait). Callable from any process: the driver launches the engines while the
+    RolloutManager's process is still starting."""
+    bundles = None if placement is None else (
+        placement.engine_bundles if name is None else placement.model_bundles[name])
+    server_cls = ray.remote(num_cpus=0)(EngineServer)
+    prefix = "engine" if name is None else f"engine_{name}"
+    servers = []
+    for rank in range(args.num_engines):
+        opts = {} if placement is None else {"scheduling_strategy": placement.strategy(bundles[rank])}
+        servers.append(server_cls.options(**opts).remote(args, rank, f"{prefix}_{rank}"))
+    return LaunchedEngines(servers, [s.start.remote() for s in servers])
+
+
 class EngineFleet:
     """The engines of one served model (see the module docstring): the policy's, or with `name` those
     of a frozen model of `--sglang-config` (`args` is then `slime.engines.served_models.model_args`).
     `placement` is a `slime.ray.placement.Placement` (or None: Ray schedules the engine actors
-    anywhere); `loop` the rollout's event loop, on which the pool's requests and the health monitor run."""
+    anywhere); `loop` the rollout's event loop, on which the pool's requests and the health monitor run;
+    `launched` the engines `launch_engines` already started for it (None: `launch` starts them)."""
 
-    def __init__(self, args, placement, loop: asyncio.AbstractEventLoop, name: str | None = None):
+    def __init__(self, args, placement, loop: asyncio.AbstractEventLoop, name: str | None = None,
+                 launched: LaunchedEngines | None = None):
         self.args = args
         self.placement = placement
         self.loop = loop
         self.name = name
-        self.bundles = None if placement is None else (
-            placement.engine_bundles if name is None else placement.model_bundles[name])
-        self.servers: list = []
-        self._starts: list = []  # the engines' start-up calls (`launch`), waited for by `connect`
+        self.launched = launched  # the engines' actors and start-up calls, waited for by `connect`
+        self.servers: list = list(launched.servers) if launched else []
         self.urls: list[str] = []
         self.pool: EnginePool | None = None
         self.router = None  # RouterAdmin
@@ -204,30 +231,25 @@ class EngineFleet:
 
     def launch(self) -> None:
         """Start every engine's actor and its start-up (they run in parallel; `connect` waits for them),
-        so several fleets start at once. The router is started by `connect`, in the calling thread: a
-        process started from a thread that ends would die with it (`die_with_parent`)."""
-        args = self.args
-        server_cls = ray.remote(num_cpus=0)(EngineServer)
-        prefix = "engine" if self.name is None else f"engine_{self.name}"
-        for rank in range(args.num_engines):
-            opts = {}
-            if self.placement is not None:
-                opts["scheduling_strategy"] = self.placement.strategy(self.bundles[rank])
-            self.servers.append(server_cls.options(**opts).remote(args, rank, f"{prefix}_{rank}"))
-        self._starts = [s.start.remote() for s in self.servers]  # in parallel; each bounded (its health wait)
+        so several fleets start at once; nothing when `launch_engines` already did. The router is
+        started by `connect`, in the calling thread: a process started from a thread that ends would
+        die with it (`die_with_parent`)."""
+        if self.launched is None:
+            self.launched = launch_engines(self.args, self.placement, self.name)
+            self.servers = list(self.launched.servers)
 
     def connect(self, give_weights: Callable[[str, str], None]) -> list[str]:
-        """Wait for the engines `launch` started, start the router (or connect to
-        `--sglang-router-ip/port`), register them and start the health monitor; the engine URLs."""
+        """Start the router (or connect to `--sglang-router-ip/port`) while the engines `launch` started
+        come up, wait for them, register them and start the health monitor; the engine URLs."""
         args = self.args
-        self.urls = [get(ref, "engine start-up", self._who(rank), args.engine_startup_timeout + 60)
-                     for rank, ref in enumerate(self._starts)]
         log_path = Path(args.output_dir) / "logs" / ("router.log" if self.name is None else f"router_{self.name}.log")
         if args.sglang_router_ip is not None:
             router_url = connect_router(args.sglang_router_ip, args.sglang_router_port)
         else:
             self.router_process = start_router(log_path, args.rollout_request_timeout, args.engine_api_key)
             router_url = self.router_process.url
+        self.urls = [get(ref, "engine start-up", self._who(rank), args.engine_startup_timeout + 60)
+                     for rank, ref in enumerate(self.launched.starts)]
         self.router = RouterAdmin(router_url, log_path=log_path if self.router_process else None)
         for url in self.urls:
             self.router.add(url, timeout=args.engine_startup_timeout)
@@ -272,7 +294,7 @@ class EngineFleet:
         stops = [s.shutdown.remote() for s in self.servers]
         for rank, ref in enumerate(stops):
             get(ref, "shutdown", self._who(rank), SHUTDOWN_TIMEOUT_S)
-        self.servers = []
+        self.servers, self.launched = [], None
 
     # ------------------------------------------------------------ generation (on the rollout loop)
     async def generate(self, payload: dict) -> dict:

@@ -26,7 +26,7 @@ import ray
 from transformers import AutoTokenizer
 
 from slime.data.source import make_data_source
-from slime.engines.fleet import EngineFleet
+from slime.engines.fleet import EngineFleet, LaunchedEngines, launch_engines
 from slime.engines.health import EngineRestartError
 from slime.engines.served_models import model_args
 from slime.observability import spans
@@ -41,19 +41,36 @@ from slime.rollout.train_data import fit_batch, sft_batch, to_train_batch
 from slime.types import RolloutBatch, Sample
 
 
+def start_rollout_manager(args, placement):
+    """The RolloutManager actor and a ref of its `init` (the engine URLs). Its engines (the policy's and
+    each --sglang-config model's) are launched here, beside it, rather than by it once its own process
+    is up: on the quick-start shape that brings the first rollout about 4 s sooner."""
+    launched = {}
+    if args.num_engines:  # SFT and --debug-train-only start no engines
+        launched = {None: launch_engines(args, placement),
+                    **{m.name: launch_engines(model_args(args, m), placement, m.name) for m in args.served_models}}
+    # max_concurrency=2: progress polls and control calls answer while a generate call is in flight
+    manager = ray.remote(num_cpus=0, max_concurrency=2)(RolloutManager).remote(args, placement, launched=launched)
+    return manager, manager.init.remote()
+
+
 class RolloutManager:
     """args: the run's; placement: where the engines go (slime.ray.placement); fleet: the engines
-    (default: an EngineFleet, started by `init`; anything with its methods can stand in)."""
+    (default: an EngineFleet, started by `init`; anything with its methods can stand in); launched:
+    the engines `start_rollout_manager` already launched, by model name (None: the policy)."""
 
-    def __init__(self, args, placement=None, fleet=None):
+    def __init__(self, args, placement=None, fleet=None, launched: dict[str | None, LaunchedEngines] | None = None):
         self.args = args
         self.progress_counts = [0, 0]  # samples (done, launched) of the generate/eval call in flight
         self.weight_version: int | None = None  # the policy version the engines serve (set by the driver)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True).start()
-        self.fleet = fleet if fleet is not None else EngineFleet(args, placement, self.loop)
+        launched = launched or {}
+        self.fleet = fleet if fleet is not None else EngineFleet(args, placement, self.loop,
+                                                                 launched=launched.get(None))
         # --sglang-config: the frozen models' engines, each fleet behind its own router
-        self.served = {m.name: EngineFleet(model_args(args, m), placement, self.loop, name=m.name)
+        self.served = {m.name: EngineFleet(model_args(args, m), placement, self.loop, name=m.name,
+                                           launched=launched.get(m.name))
                        for m in args.served_models}
         self.staleness = Staleness(args.max_staleness)
         self.trainer = None  # --use-fault-tolerance: the train group that gives a restarted engine weights

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
+import transformers  # its Auto classes are looked up when used: importing them pulls the modeling code (~2 s)
 
 IMAGE_PAD = "<|image_pad|>"
 _BASE64 = re.compile(r"[A-Za-z0-9+/\s]+=*\s*")
@@ -100,7 +100,8 @@ def is_vision_config(config) -> bool:
 def load_lm(path: str, **kwargs) -> torch.nn.Module:
     """The Hugging Face model of `path` with a language-model head: `AutoModelForCausalLM`, or for a
     vision-language model `AutoModelForImageTextToText` (e.g. Qwen2_5_VLForConditionalGeneration)."""
-    cls = AutoModelForImageTextToText if is_vision_config(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
+    vision = is_vision_config(transformers.AutoConfig.from_pretrained(path))
+    cls = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     return cls.from_pretrained(path, **kwargs)
 
 
@@ -108,10 +109,10 @@ class VisionProcessor:
     """Images -> model inputs for a Qwen-VL model directory (its tokenizer and image processor)."""
 
     def __init__(self, path: str, tokenizer=None, config=None):
-        config = config or AutoConfig.from_pretrained(path)
+        config = config or transformers.AutoConfig.from_pretrained(path)
         if not is_vision_config(config):
             raise ValueError(f"{path}: {getattr(config, 'model_type', '?')} is a text-only model")
-        self.image_processor = AutoImageProcessor.from_pretrained(path)
+        self.image_processor = transformers.AutoImageProcessor.from_pretrained(path)
         self.tokenizer = tokenizer
         self.image_token_id = int(config.image_token_id)
         self.merge = int(getattr(self.image_processor, "merge_size", config.vision_config.spatial_merge_size))
