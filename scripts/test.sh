@@ -50,7 +50,10 @@ t_vllm=$(date +%s)
 VLLM_PID=$!
 
 t=$(date +%s)
-python -m pytest -q --durations=10    # unit and contract tests (e2e and slow excluded by default)
+# Two pytest workers (pytest-xdist): a test mostly waits on its subprocesses, actors and engines
+# (about 60% of two cores busy in one end-to-end run), so two at a time fill the machine
+WORKERS=${SLIME_TEST_WORKERS:-2}
+python -m pytest -q -n "$WORKERS" --durations=10    # unit and contract tests (e2e and slow excluded by default)
 phase "unit + contract tests" "$t" "$(date +%s)"
 
 t=$(date +%s)
@@ -63,5 +66,7 @@ if [ "$vllm_rc" != 0 ]; then
 fi
 
 t=$(date +%s)
-python -m pytest -q --durations=25 -m "e2e or slow"  # end-to-end runs (Ray + engines + trainers) and slow tests
+# end-to-end runs (Ray + engines + trainers) and slow tests; a file's tests stay on one worker (they
+# share its module fixtures), and each worker has its own shared Ray cluster (tests/e2e/conftest.py)
+python -m pytest -q -n "$WORKERS" --dist loadfile --durations=25 -m "e2e or slow"
 phase "e2e + slow tests" "$t" "$(date +%s)"

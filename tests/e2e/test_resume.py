@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from tests.helpers.e2e import LP, REFERENCE_FLAGS, ROOT, comparable, driver_env, records, run, shape_cmd
+from tests.helpers.ray_cluster import HeadNode
 
 pytestmark = pytest.mark.e2e
 
@@ -17,11 +18,11 @@ pytestmark = pytest.mark.e2e
 RUN_PROCESSES = ("slime.engines.", "sglang::router", "ray::TrainActor", "ray::RolloutManager", "ray::EngineServer")
 
 
-def _run_processes(driver_pid: int) -> list[psutil.Process]:
-    """The driver's descendants and the run's actors, engines and router (the session's shared
-    Ray cluster serves one run at a time)."""
+def _run_processes(driver_pid: int, cluster: HeadNode) -> list[psutil.Process]:
+    """The driver's descendants and the run's actors, engines and router: those of the session's
+    shared Ray `cluster` (it serves one run at a time; another pytest worker's run is on its own)."""
     found = {p.pid: p for p in psutil.Process(driver_pid).children(recursive=True)}
-    for p in psutil.process_iter():
+    for p in cluster.processes():
         if any(s in " ".join(_cmdline(p)) for s in RUN_PROCESSES):
             found[p.pid] = p
     return list(found.values())
@@ -59,7 +60,7 @@ def test_resumed_run_matches_uninterrupted_run(task, reference_run, tmp_path):
         assert resumed[rollout_id] == expected[rollout_id], rollout_id
 
 
-def test_sigkill_mid_run_then_resume_loses_nothing(task, tmp_path):
+def test_sigkill_mid_run_then_resume_loses_nothing(task, tmp_path, shared_ray_cluster):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     cmd = shape_cmd(task, out, "--num-rollout", "5", "--save", str(ckpt), "--save-interval", "1", "--load", str(ckpt))
     driver = subprocess.Popen(cmd, cwd=ROOT, env=driver_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -72,7 +73,7 @@ def test_sigkill_mid_run_then_resume_loses_nothing(task, tmp_path):
         time.sleep(0.2)
     else:
         pytest.fail("no checkpoint of rollout 1 within 300 s")
-    run_processes = _run_processes(driver.pid)
+    run_processes = _run_processes(driver.pid, shared_ray_cluster)
     assert any("slime.engines.native" in " ".join(_cmdline(p)) for p in run_processes)
     driver.send_signal(signal.SIGKILL)
     driver.wait(timeout=30)
