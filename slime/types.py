@@ -48,8 +48,8 @@ class Sample:
     # --use-rollout-routing-replay: the experts the engine routed every token but the last to,
     # Tensor[len(tokens) - 1 (or fewer: tokens appended after the last engine call), MoE layers x top-k] int32
     rollout_routed_experts: Any = None
-    # vision-language models (--multimodal-keys): the prompt's images, as sources (paths, file:// or data:
-    # URLs, base64; slime.utils.vision), in the order of their slots in the prompt
+    # vision-language models (--multimodal-keys): the prompt's images, then those environment turns added,
+    # as sources (paths, file:// or data: URLs, base64; slime.utils.vision), in the order of their slots
     images: list[str] | None = None
     reward: float | dict[str, float] | None = None
     # a dict reward as the reward function returned it; `reward` is then its --reward-key entry
@@ -110,10 +110,14 @@ class Sample:
             raise ValueError(f"{len(log_probs)} log-probs for {len(token_ids)} model tokens")
         self._extend(token_ids, 1, [float(x) for x in log_probs])
 
-    def append_env_tokens(self, token_ids: list[int]) -> None:
+    def append_env_tokens(self, token_ids: list[int], images: list[str] | None = None) -> None:
         """Tokens the environment wrote (tool results, user turns, chat-template glue): part of the
-        context the next turn sees, never trained on (loss mask 0; log-prob placeholder 0.0)."""
+        context the next turn sees, never trained on (loss mask 0; log-prob placeholder 0.0).
+        `images`: the sources of the images whose (expanded) slots `token_ids` hold, in order; they
+        follow the sample's earlier images in `images` (slime.rollout.multiturn.env_image_tokens)."""
         self._extend(token_ids, 0, [0.0] * len(token_ids))
+        if images:  # a new list: the n samples of a prompt start from the same one
+            self.images = [*(self.images or []), *images]
 
     def _extend(self, token_ids: list[int], mask: int, log_probs: list[float]) -> None:
         if self.loss_mask is None:

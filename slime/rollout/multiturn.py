@@ -8,6 +8,9 @@ sample holds, and environment text is tokenized on its own and appended.
 - `env_message_tokens(tokenizer, messages, turn_ended)`: the token ids of chat messages (tool
   results, a user turn) appended after a model turn, followed by the generation prompt of the
   next assistant turn, as the tokenizer's chat template writes them.
+- `env_image_tokens(tokenizer, processor, messages, images)`: the same for messages holding images
+  (`{"type": "image"}` parts), each image slot expanded to its image's token count; append them with
+  `sample.append_env_tokens(ids, images=images)` (docs/vlm.md#multi-turn-images).
 - `parse_tool_calls(text)`: tool calls in the Hermes/Qwen/SmolLM2 format
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `run_tool_loop(args, sample, sampling_params, tools, ...)`: the generic loop: generate, run the
@@ -55,6 +58,26 @@ def env_message_tokens(tokenizer, messages: list[dict[str, Any]], turn_ended: bo
     text = full[cut + len(eos):]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids if turn_ended else [tokenizer.convert_tokens_to_ids(eos)] + ids
+
+
+def env_image_tokens(tokenizer, processor, messages: list[dict[str, Any]], images: list[str],
+                     turn_ended: bool = True, chat_template_kwargs: dict | None = None) -> list[int]:
+    """`env_message_tokens` of messages whose content holds image parts (`{"type": "image"}`, one per
+    source of `images`, in order), each image's slot expanded to the image's token count as the data
+    loader expands a prompt's (`processor`: the model's slime.utils.vision.VisionProcessor)."""
+    ids = env_message_tokens(tokenizer, messages, turn_ended, chat_template_kwargs=chat_template_kwargs)
+    counts = processor.tokens_per_image(processor.pixel_inputs(images)["image_grid_thw"])
+    pad = processor.image_token_id
+    if ids.count(pad) != len(counts):
+        raise ValueError(f"the messages render {ids.count(pad)} image slots for {len(counts)} images")
+    out, k = [], 0
+    for t in ids:
+        if t == pad:
+            out += [pad] * counts[k]
+            k += 1
+        else:
+            out.append(t)
+    return out
 
 
 @dataclass

@@ -158,15 +158,10 @@ def vl_core(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen-VL model")
 
 
-def image_token_mask(model: torch.nn.Module, input_ids: torch.Tensor,
-                     prompt_lens: list[int] | None = None) -> torch.Tensor:
-    """[B, L] bool: the image tokens of input_ids that hold image features, those of the prompt only
-    (`prompt_lens` per row): an image token the model generated is an ordinary token, as in the engine."""
-    mask = input_ids == int(vl_core(model).config.image_token_id)
-    if prompt_lens is not None:
-        cols = torch.arange(input_ids.shape[1], device=input_ids.device)
-        mask &= cols[None, :] < torch.as_tensor(prompt_lens, device=input_ids.device)[:, None]
-    return mask
+def image_token_mask(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: the image tokens (`<|image_pad|>`) of input_ids; which of them hold image features
+    is the trainer's choice (slime.training.fsdp.vision.slots)."""
+    return input_ids == int(vl_core(model).config.image_token_id)
 
 
 def rope_index(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None,

@@ -292,7 +292,7 @@ class FSDPBackend(StepTail):
         inputs = {"input_ids": ids[None].to(self.device), "position_ids": pos[None].to(self.device),
                   "use_cache": False, **self._segment_kwargs(lens)}
         if vision.has_images(mb):
-            inputs.update(vision.packed_inputs(self.model, self.images, mb, inputs["input_ids"], lens, prompt_lens))
+            inputs.update(vision.packed_inputs(self.model, self.images, mb, inputs["input_ids"], lens))
         return inputs, torch.cat(score).to(self.device)
 
     def _segment_kwargs(self, lens: list[int]) -> dict:
@@ -411,7 +411,7 @@ class FSDPBackend(StepTail):
         start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
         kwargs = {"logits_to_keep": t - start} if self._supports_logits_to_keep else {}
         if vision.has_images(mb):
-            kwargs.update(vision.padded_inputs(model, self.images, mb, ids, attn, prompt_lens))
+            kwargs.update(vision.padded_inputs(model, self.images, mb, ids, attn))
         x, weight = self._head_inputs(model, input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
 
         lps, ents = [], []

@@ -10,8 +10,10 @@ ids from its own `get_rope_index`, per sample:
   samples attend one at a time (packed_attention), the vision tower sees every image alone;
 - padded rows: `get_rope_index` of the [B, T] batch with its attention mask.
 
-Only the prompt's image tokens hold image features: an `<|image_pad|>` the policy generated is an
-ordinary token with a text position, as it was in the engine (`images_only`). The vision tower
+A sample's image tokens that hold image features are its first ones, as many as its images take
+(`slots`): the prompt's and those of images an environment appended in a later turn (that turn's
+engine call took them as part of its prompt). An `<|image_pad|>` the policy generated after them is
+an ordinary token with a text position, as it was in the engine (`images_only`). The vision tower
 runs inside the model's forward, so its weights train (or stay frozen with
 `--freeze-params-name-list`) like any others and reach the engines under their HF names.
 """
@@ -24,7 +26,7 @@ import torch
 
 from slime.utils.vision import VisionProcessor, image_token_mask, rope_index, vl_core
 
-IMAGE_MASK = "slime_image_mask"  # the key of the prompt-image-token mask among a forward's inputs
+IMAGE_MASK = "slime_image_mask"  # the key of the image-slot mask among a forward's inputs
 
 
 def has_images(mb) -> bool:
@@ -47,14 +49,21 @@ def _grids(mb, grid: torch.Tensor) -> list[torch.Tensor | None]:
     return out
 
 
-def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens: list[int],
-                  prompt_lens: list[int]) -> dict:
+def slots(model, processor: VisionProcessor, ids: torch.Tensor, grids: list[torch.Tensor | None]) -> torch.Tensor:
+    """[B, L] bool: the image tokens of rows ids [B, L] that hold image features, each row's first
+    ones, as many as its images (`grids`, one per row) take."""
+    mask = image_token_mask(model, ids)
+    n = [sum(processor.tokens_per_image(g)) if g is not None else 0 for g in grids]
+    return mask & (mask.cumsum(-1) <= torch.as_tensor(n, device=ids.device)[:, None])
+
+
+def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens: list[int]) -> dict:
     """The image inputs of one packed row ids [1, N]: pixel inputs, position ids [3, 1, N], image mask."""
     pix = _pixels(processor, mb, ids.device)
     pos, masks, start = [], [], 0
-    for n, p, grid in zip(lens, prompt_lens, _grids(mb, pix["image_grid_thw"])):
+    for n, grid in zip(lens, _grids(mb, pix["image_grid_thw"])):
         row = ids[:, start:start + n]
-        mask = image_token_mask(model, row, [p])
+        mask = slots(model, processor, row, [grid])
         if grid is None:
             pos.append(torch.arange(n, device=ids.device).view(1, 1, n).expand(3, 1, n))
         else:
@@ -64,11 +73,10 @@ def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens
     return {**pix, "position_ids": torch.cat(pos, -1), IMAGE_MASK: torch.cat(masks, -1)}
 
 
-def padded_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, attn: torch.Tensor,
-                  prompt_lens: list[int]) -> dict:
+def padded_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, attn: torch.Tensor) -> dict:
     """The image inputs of padded rows ids [B, T] (right padded, `attn` their mask)."""
     pix = _pixels(processor, mb, ids.device)
-    mask = image_token_mask(model, ids, prompt_lens)
+    mask = slots(model, processor, ids, _grids(mb, pix["image_grid_thw"]))
     pos, _ = rope_index(model, ids, pix["image_grid_thw"], attention_mask=attn, image_mask=mask)
     return {**pix, "position_ids": pos, IMAGE_MASK: mask}
 
@@ -76,7 +84,7 @@ def padded_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, attn
 @contextlib.contextmanager
 def images_only(model, mask: torch.Tensor | None):
     """Within it, the model's forward puts image features into the image tokens of `mask` only (the
-    prompt's), not into image tokens the policy generated."""
+    image slots), not into image tokens the policy generated."""
     if mask is None:
         yield
         return

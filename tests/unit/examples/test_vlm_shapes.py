@@ -22,3 +22,8 @@ def test_shapes_task_loads_with_images(tiny_vl_model_dir, tmp_path):
     pad = tok.convert_tokens_to_ids("<|image_pad|>")
     assert len(prompts) == 6 and all(p.label in vlm_shapes.COLOURS for p in prompts)
     assert all(len(p.images) == 1 and p.input_ids.count(pad) == 9 for p in prompts)  # 84x84: 3x3 tokens
+    # the e2e GRPO run's shape: two colours, 56x56 images (2x2 image tokens)
+    train, _ = vlm_shapes.make_vlm_task(tmp_path / "small", n_train=16, n_eval=2, colours=2, size=56)
+    small = load_prompts(train, tok, "prompt", "label", apply_chat_template=True, multimodal_keys={"image": "images"})
+    assert {p.label for p in small} == {"0", "1"} and all(p.input_ids.count(pad) == 4 for p in small)
+    assert len({tuple(p.input_ids) for p in small}) == 1  # the text is the same for every row
