@@ -60,7 +60,7 @@ def run(model: str, rank: int, pushes: int, threads: int) -> list[dict]:
     from slime.training.actor import TrainActor
     from slime.utils.net import free_port
 
-    key = secrets.token_urlsafe(24)
+    key = secrets.token_hex(16)  # hex: a key starting with "-" would read as a flag
     saved = os.environ.get("SLIME_ENGINE_API_KEY")
     os.environ["SLIME_ENGINE_API_KEY"] = key  # the engine clients' key (restored at the end)
     tmp = Path(tempfile.mkdtemp(prefix="slime-lora-push-"))

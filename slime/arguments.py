@@ -549,9 +549,10 @@ def validate(args: Args) -> Args:
     if args.output_dir is None:
         args.output_dir = _default_output_dir()
     if args.engine_api_key is None:  # a job's processes share one key: its environment's, else a new one
-        args.engine_api_key = env_api_key() or secrets.token_urlsafe(32)
-    require(len(args.engine_api_key) >= 16 and args.engine_api_key.isprintable() and " " not in args.engine_api_key,
-            "--engine-api-key must be at least 16 printable characters without spaces")
+        args.engine_api_key = env_api_key() or secrets.token_hex(24)  # hex: never "-..." (a flag to the router)
+    key = args.engine_api_key
+    require(len(key) >= 16 and key.isprintable() and " " not in key and not key.startswith("-"),
+            "--engine-api-key must be at least 16 printable characters without spaces, not starting with '-'")
     check_prompt_data(args)  # every row, as the rollout reads it (after the flags): before anything starts
     return args.freeze()
 
