@@ -38,6 +38,9 @@ class EngineKind:
     swaps_lora_under_pause = False
     pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
     returns_routed_experts = True  # /generate's return_routed_experts (R3, --use-rollout-routing-replay)
+    # pushed weights carry the checkpoint's names (per-expert MoE weights), as the server loads them;
+    # False: transformers' in-memory names (the native engine is a transformers model)
+    loads_checkpoint_names = True
 
     def command(self, args, rank: int, host: str, port: int) -> list[str]:
         raise NotImplementedError
@@ -104,6 +107,7 @@ class NativeKind(EngineKind):
     """The embedded PyTorch engine: `python -m slime.engines.native`."""
 
     name = "native"
+    loads_checkpoint_names = False
     update_weights_modes = ("tensor", "distributed", "disk")
     swaps_lora_under_pause = True  # the adapter is looked up by name at every step
 

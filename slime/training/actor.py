@@ -47,15 +47,15 @@ from slime.algorithms.losses import (
 )
 from slime.algorithms.off_policy import off_policy_tis, policy_loss_for, token_masks
 from slime.algorithms.opd import distill_advantages, reverse_kl, served_teacher_log_probs
-from slime.engines.kinds import engine_kind
 from slime.observability.profiling import profile_rollout
 from slime.training.backend import MicroBatch, TrainBackend
-from slime.training.freeze import copy_policy_into_reference, ref_update_due
+from slime.training.freeze import copy_policy_into_reference, load_reference, ref_update_due, save_reference
 from slime.training.micro_batches import token_budget_micro_batches
 from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
 from slime.training.throughput import StepMeter, parameter_count
 from slime.training.weight_sync import check_engine_weights, make_transport
+from slime.training.weight_sync.served import served_weights
 from slime.types import RolloutBatch
 from slime.utils.checkpoint_data import load_tensors_file, rng_states, set_rng_states
 from slime.utils.errors import SlimeConfigError
@@ -130,6 +130,7 @@ class TrainActor:
         self._returns: list[Tensor] | None = None
         self._opd_kl: list[Tensor] | None = None  # --use-opd: this rollout's per-token reverse KL to the teacher
         self._old_values: tuple[int, list[Tensor]] | None = None
+        self._ref_moved = False  # --ref-update-interval: the reference followed the policy (checkpoints keep it)
         threads = cpu_threads(args, "train", self.world_size)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -330,6 +331,7 @@ class TrainActor:
                                 entropy_grad=bool(args.entropy_coef))
         if self.use_ref and ref_update_due(rollout_id, args.ref_update_interval):  # the reference follows the policy
             copy_policy_into_reference(be.model, be.ref_model)
+            self._ref_moved = True
         metrics = {f"train/{k}": v for k, v in steps.mean().items()}
         metrics.update({f"train/{k}": v for k, v in be.routing.take_metrics(be.all_reduce_sum).items()})
         metrics["train/grad_norm"] = steps.grad_norm
@@ -546,7 +548,7 @@ class TrainActor:
         slime/training/weight_sync/). Collective."""
         self._transport.connect(engine_urls)
         weights = self.backend.adapter_weights() if self.push_adapter else self.backend.named_weights()
-        return self._transport.push(self._engine_dtype(weights), weight_version)
+        return self._transport.push(self._engine_dtype(weights, names=not self.push_adapter), weight_version)
 
     @resident
     def check_weights(self, engine_urls: list[str]) -> int:
@@ -555,13 +557,9 @@ class TrainActor:
         weights = self.backend.base_weights() if self.push_adapter else self.backend.named_weights()
         return check_engine_weights(self._engine_dtype(weights), engine_urls, check=self.rank == 0)
 
-    def _engine_dtype(self, named_weights):
-        """The weights as the engines serve them: cast to their dtype (`--bf16` or their
-        `--*-dtype`: a bf16 engine gets half the bytes of an fp32 trainer's push)."""
-        name = engine_kind(self.args).serve_dtype(self.args) or ("bfloat16" if self.args.bf16 else "float32")
-        dtype = getattr(torch, name)
-        for key, tensor in named_weights:
-            yield key, (tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor)
+    def _engine_dtype(self, named_weights, names: bool = True):
+        """The weights in the engines' dtype and (`names`) under their names (slime.training.weight_sync.served)."""
+        return served_weights(self.args, self.backend.hf_config if names else None, named_weights)
 
     # ------------------------------------------------------------ colocated memory handoff
 
@@ -581,13 +579,16 @@ class TrainActor:
 
     @resident
     def save(self, path: str) -> None:
-        """Model and optimizer (the backend's format) plus this rank's RNG states."""
+        """Model and optimizer (the backend's format), a reference that followed the policy, this rank's RNG states."""
         self.backend.save(path)
+        if self._ref_moved:
+            save_reference(self.backend, path)
         torch.save(rng_states(), os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt"))
 
     @resident
     def load(self, path: str) -> None:
         self.backend.load(path)
+        self._ref_moved = load_reference(self.backend, path) or self._ref_moved
         rng_path = os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt")
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
             set_rng_states(load_tensors_file(rng_path))

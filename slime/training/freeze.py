@@ -14,16 +14,27 @@
   the reference is sharded to live in host memory; the root's parameters after a forward), the
   full tensor is gathered or the local shard sliced. Collective when a policy parameter is a
   sharded DTensor and the reference's is not (every rank calls it, in the same order).
+- `save_reference(backend, path)` / `load_reference(backend, path)`: a reference that has followed
+  the policy is saved with the checkpoint (`path/ref_state`) and a resume loads it back, so the
+  resumed run's KL is the uninterrupted run's. Checkpoints of runs whose reference never moved have
+  no `ref_state` (the reference is then `--ref-load` / `--hf-checkpoint`, rebuilt at start).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from slime.off_policy_flags import matching_names
+from slime.utils.checkpoint_data import dcp_load
 from slime.utils.errors import SlimeConfigError
+
+REF_STATE = "ref_state"  # the checkpoint's subdirectory of a reference that followed the policy
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
@@ -84,3 +95,30 @@ def copy_policy_into_reference(policy_model: nn.Module, ref_model: nn.Module) ->
                 src = p.full_tensor() if isinstance(p, DTensor) else p
             _local(r).copy_(src)
     return len(ref)
+
+
+def save_reference(backend, path) -> None:
+    """Write `backend.ref_model`'s weights to `path/ref_state`, exactly (its own dtype). A backend
+    with its own format has `save_reference(dir)` (megatron: its distributed checkpoint, any TP / PP
+    / DP layout loads it); otherwise a torch distributed checkpoint of the model's state dict (the
+    FSDP backend: one rank's plain module or every rank's shards; any DP size loads it). Collective."""
+    out = Path(path) / REF_STATE
+    if hasattr(backend, "save_reference"):
+        backend.save_reference(out)
+    else:
+        dcp.save({"model": get_model_state_dict(backend.ref_model)}, checkpoint_id=str(out))
+
+
+def load_reference(backend, path) -> bool:
+    """Load `path/ref_state` into `backend.ref_model` when the checkpoint has one and this run has a
+    reference; returns whether it did (then the reference is the one the saved run had). Collective."""
+    src = Path(path) / REF_STATE
+    if backend.ref_model is None or not src.is_dir():
+        return False
+    if hasattr(backend, "load_reference"):
+        backend.load_reference(src)
+    else:
+        state = {"model": get_model_state_dict(backend.ref_model)}
+        dcp_load(state, src)  # data only (slime.utils.checkpoint_data)
+        set_model_state_dict(backend.ref_model, state["model"])
+    return True

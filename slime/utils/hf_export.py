@@ -1,15 +1,19 @@
 """Write a Hugging Face model directory from a state dict with HF names: through the model class
-(`save_hf_model`) or as the tensors are (`write_hf_dir`, sharded like `save_pretrained`)."""
+(`save_hf_model`) or as the tensors are (`write_hf_dir`, sharded like `save_pretrained`); the
+checkpoint's names of a model's in-memory weights (`checkpoint_names`, `hf_checkpoint_names`,
+`checkpoint_named_weights`: transformers 5 fuses a MoE layer's experts, checkpoints name them per expert)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.core_model_loading import revert_weight_conversion
 
 from slime.utils.errors import SlimeError
@@ -32,7 +36,8 @@ def save_hf_model(state: dict[str, torch.Tensor], config, origin_dir: str | Path
         model.tie_weights()
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise SlimeError(f"{source}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise SlimeError(f"{source}: weights do not match the config (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -80,3 +85,27 @@ def checkpoint_names(model, tensors: dict[str, torch.Tensor]) -> dict[str, torch
     checkpoints store per expert; `save_pretrained` writes the checkpoint names, and so does this
     (other engines and tools read them). The identity for models without such conversions."""
     return dict(revert_weight_conversion(model, dict(tensors)))
+
+
+def _meta_model(config):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def hf_checkpoint_names(config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`checkpoint_names` for a model given by its config (no weights are built)."""
+    return checkpoint_names(_meta_model(config), tensors)
+
+
+def checkpoint_named_weights(config, named_weights: Iterable[tuple[str, torch.Tensor]]
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a model of `config` under its checkpoint's names, one pair at a time
+    (each in-memory tensor converts alone: a fused `mlp.experts.gate_up_proj` [E, 2I, H] becomes the
+    E `mlp.experts.{e}.gate_proj.weight` and `up_proj.weight` [I, H] views of it). What SGLang and
+    vLLM load; the pairs as they are for models without such conversions."""
+    if get_checkpoint_conversion_mapping(config.model_type) is None:
+        yield from named_weights
+        return
+    model = _meta_model(config)
+    for name, tensor in named_weights:
+        yield from checkpoint_names(model, {name: tensor}).items()

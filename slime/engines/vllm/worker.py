@@ -69,7 +69,23 @@ class SlimeWorkerExtension:
         else:  # older vLLM: plain load (fine where no post-load processing repacks weights)
             self.get_model().load_weights(weights=counted())
         retied = self._slime_reprocess_tied_heads()
-        return {"num_tensors": count["n"], "retied": retied}
+        return {"num_tensors": count["n"], "retied": retied, "moe_repacked": self._slime_repack_cpu_experts()}
+
+    def _slime_repack_cpu_experts(self) -> int:
+        """vLLM 0.32's unquantized MoE method sets its experts up once: on a weight update
+        (`_setup_kernel` with a kernel already built) it copies the reloaded weights in but skips
+        the experts' own post-load step, which on CPU prepacks them into the grouped-GEMM layout
+        the kernel reads, so a reloaded MoE layer would compute with unpacked weights (even
+        reloading the same checkpoint moved log-probs by 0.07). Run that step for every CPU MoE
+        layer after a reload, as the first load did. Returns the number of layers repacked."""
+        n = 0
+        for _, m in self.get_model().named_modules():
+            kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if type(experts).__name__ == "CPUUnquantizedExperts":
+                experts.process_weights_after_loading(m)
+                n += 1
+        return n
 
     def _slime_reprocess_tied_heads(self) -> int:
         """A head tied to the input embedding gets no tensor of its own (checkpoints and the

@@ -70,7 +70,7 @@ from slime.training.megatron.weights import (
 )
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
-from slime.utils.hf_export import write_hf_dir
+from slime.utils.hf_export import hf_checkpoint_names, write_hf_dir
 from slime.training.freeze import freeze_parameters
 from slime.training.moe import TrainRouting
 from slime.utils.net import node_address
@@ -536,10 +536,17 @@ class MegatronBackend(StepTail):
         """Restore this rank's model shards and AdamW state from `path/train_state`, saved at any layout."""
         load_train_state(Path(path) / "train_state", self.chunks, self.optimizer)
 
+    def save_reference(self, path: Path) -> None:
+        """--ref-update-interval: the reference model's shards, in the format of `save` (any layout loads them)."""
+        save_train_state(path, self._chunks(self.ref_model))
+
+    def load_reference(self, path: Path) -> None:
+        load_train_state(path, self._chunks(self.ref_model))
+
     def _write_hf(self, out: Path, tensors: dict[str, Tensor]) -> None:
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         if moe.is_moe(self.hf_config):  # the checkpoint's per-expert names, as save_pretrained writes them
-            tensors = moe.hf_checkpoint_names(self.hf_config, tensors)
+            tensors = hf_checkpoint_names(self.hf_config, tensors)
         write_hf_dir(out, self.args.hf_checkpoint, self.hf_config, tensors)
 
     def close(self) -> None:

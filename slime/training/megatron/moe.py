@@ -48,13 +48,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
-from transformers import AutoModelForCausalLM
 
 from slime.training.megatron import convert as mc
 from slime.training.megatron import shims
 from slime.training.moe import TrainRouting
 from slime.utils.errors import SlimeConfigError, SlimeError
-from slime.utils.hf_export import checkpoint_names
 from slime.utils.moe_routing import Recording
 
 DENSE_TWIN = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "llama"}
@@ -195,13 +193,6 @@ def gather_experts(state: dict[str, Tensor]) -> dict[str, Tensor]:
     for p in parts:
         out.update({k: v.to(device) for k, v in p.items()})
     return out
-
-
-def hf_checkpoint_names(config, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Fused in-memory HF names -> the checkpoint's per-expert names (what `save_pretrained` writes)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return checkpoint_names(model, tensors)
 
 
 # ------------------------------------------------------------------ routing

@@ -138,3 +138,38 @@ def test_moe_flags_need_a_moe_model(tiny_model_dir, tmp_path):
     with pytest.raises(SlimeConfigError, match=r"^--use-rollout-routing-replay needs a mixture-of-experts model; "
                                                r"--hf-checkpoint .* declares no experts"):
         make_args(tiny_model_dir, tmp_path, "--use-rollout-routing-replay")
+
+
+def test_rollout_routing_replay_on_two_data_parallel_ranks(tiny_moe_model_dir, tmp_path, ray_session):
+    """R3 on two FSDP ranks (gloo), the samples dealt by --balance-data (not contiguous): every rank's
+    forwards use its own samples' engine experts. The rollout log-probs are a HF forward forced to
+    those experts, so the trainer's pre-update log-probs (over both ranks' tokens) equal them."""
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    args = make_args(tiny_moe_model_dir, tmp_path, *COMMON, "--use-rollout-routing-replay", "--balance-data",
+                     "--actor-num-gpus-per-node", 2, "--micro-batch-size", 2)
+    batch = synthetic_batch(tiny_moe_model_dir, 8, seed=9)
+    batch.routed_experts = [(r + 1) % 4 for r in _hf_routing(tiny_moe_model_dir, batch)]  # not the trainer's own
+    forced = [_hf_forced_log_probs(tiny_moe_model_dir, t, n, r)
+              for t, n, r in zip(batch.tokens, batch.response_lengths, batch.routed_experts)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32)
+    with torch.no_grad():  # the model's own routing scores these tokens differently
+        own = [torch.log_softmax(model(torch.tensor([t])).logits[0] / TEMPERATURE, -1)[len(t) - n - 1:-1]
+               .gather(-1, torch.tensor(t[len(t) - n:])[:, None])[:, 0] for t, n in zip(batch.tokens,
+                                                                                       batch.response_lengths)]
+    assert torch.cat(own).sub(torch.cat(forced)).abs().mean() > 1e-3
+    batch.rollout_log_probs = [lp.tolist() for lp in forced]
+    parts = batch.split_for_ranks(args.dp_size, args.global_batch_size, balance=True)
+    assert sorted(i for idx in batch.rank_indices(2, args.global_batch_size, True) for i in idx) == list(range(8))
+    assert batch.rank_indices(2, args.global_batch_size, True)[0] != [0, 1, 4, 5]  # dealt, not sliced
+    group = TrainGroup(args)
+    try:
+        group.init()
+        metrics = group.train(0, [ray.put(p) for p in parts])
+    finally:
+        group.shutdown()
+    assert metrics["train/train_rollout_logprob_abs_diff"] < 1e-5
+    for layer in range(2):
+        assert metrics[f"train/moe/layer_{layer}/experts_used"] == 4.0
