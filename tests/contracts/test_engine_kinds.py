@@ -30,6 +30,7 @@ from slime.engines.startup import wait_until_healthy
 from slime.engines.vllm.launch import INSTALL_SCRIPT, adapter_command, vllm_venv
 from slime.utils.net import free_port
 from tests.helpers.e2e import ROOT
+from tests.helpers.logprobs import max_diff
 from tests.helpers.native_server import native_server
 
 VLLM_FLAGS = {"enforce_eager": True, "max_model_len": "256"}
@@ -84,10 +85,6 @@ def generate(client, temperature=0.0, n=12, seed=5, **extra):
     out = client.generate({"input_ids": PROMPT, "return_logprob": True, **extra, "sampling_params": {
         "temperature": temperature, "max_new_tokens": n, "seed": seed, "ignore_eos": True}})
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]], out["meta_info"]
-
-
-def max_diff(a, b):
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def test_every_route_is_served(engine):

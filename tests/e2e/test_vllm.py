@@ -18,6 +18,7 @@ from slime.engines.vllm.launch import INSTALL_SCRIPT, vllm_command, vllm_python
 from slime.utils.net import free_port
 from tests.helpers.args import make_args
 from tests.helpers.e2e import ROOT, records, run
+from tests.helpers.logprobs import max_diff, teacher_forced
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +82,7 @@ def test_lora_adapter_on_vllm(vllm_installed, tiny_model_dir, tmp_path):
     peft_model.save_pretrained(adapter_dir)
 
     def reference(model, output):  # teacher-forced log-probs of `output` after PROMPT
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([PROMPT + output])).logits[0].float(), -1)
-        return [float(lp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(output)]
-
-    def max_diff(a, b):
-        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+        return teacher_forced(model, PROMPT, output)
 
     args = make_args(tiny_model_dir, tmp_path, "--rollout-backend", "vllm", "--lora-rank", 8, "--lora-sync", "adapter",
                      "--vllm-enforce-eager", "--vllm-max-model-len", 256, "--engine-startup-timeout", 400)

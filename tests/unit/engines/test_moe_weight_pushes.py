@@ -19,6 +19,7 @@ from slime.training.weight_sync.served import served_weights
 from slime.utils.hf_export import checkpoint_named_weights
 from slime.utils.tiny_model import MOE_FAMILIES, build_tiny_moe_model
 from tests.helpers.args import make_args
+from tests.helpers.logprobs import max_diff, teacher_forced
 
 PER_EXPERT = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
               "mixtral": ("w1", "w3", "w2")}
@@ -115,12 +116,7 @@ def test_trained_moe_weights_pushed_into_vllm_serve_the_trainers_log_probs(tiny_
     initial = _load(tiny_moe_model_dir)
 
     def reference(model, output):  # teacher-forced log-probs of `output` after PROMPT
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([PROMPT + output])).logits[0].float(), -1)
-        return [float(lp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(output)]
-
-    def max_diff(a, b):
-        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+        return teacher_forced(model, PROMPT, output)
 
     port = free_port()
     log = tmp_path / "engine.log"
