@@ -72,10 +72,14 @@ def _ip(addr: str) -> str:
 
 
 def _sample(work: str, seen: dict) -> None:
-    """Record every listening socket and every outgoing connection of slime's processes. Ray's own
-    daemons are not slime's: a Ray worker reports its metrics to its node's agent on 127.0.0.1
-    (Ray's design), so connections to a port a Ray daemon listens on are left out."""
-    ray_ports = seen.setdefault("ray_ports", set())  # over every sample: a daemon's scan can fail in one
+    """Record every listening socket and every outgoing connection of slime's processes, and who
+    listens on each loopback port (the whole machine's table: a scan of one process can fail). Ray's
+    own daemons and workers are not slime's: a Ray worker reports to its node's agent on 127.0.0.1
+    and talks to the owners of the objects and actors it holds (Ray's design), so connections to a
+    port a Ray process of this cluster listens on are left out."""
+    ray_ports = seen.setdefault("ray_ports", set())  # over every sample
+    owners = seen.setdefault("owners", {})  # loopback port -> who listened on it (for a failure's message)
+    cluster = {}
     slime = []
     for p in _cluster_processes(work):
         try:
@@ -83,10 +87,17 @@ def _sample(work: str, seen: dict) -> None:
             conns = p.net_connections(kind="tcp")
         except psutil.Error:
             continue
+        cluster[p.pid] = what
         if any(s in what for s in SLIME_PROCESSES):
             slime.append((what, conns))
         else:
             ray_ports |= {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid is not None and _ip(c.laddr.ip) in ("127.0.0.1", "0.0.0.0", "::"):
+            what = cluster.get(c.pid)
+            owners[c.laddr.port] = what or f"pid {c.pid}, not of this cluster"
+            if what is not None and not any(s in what for s in SLIME_PROCESSES):
+                ray_ports.add(c.laddr.port)
     for what, conns in slime:
         listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
         for c in conns:
@@ -135,9 +146,9 @@ def _learned_and_closed(out: Path, seen: dict) -> None:
     for ip, what in seen["listen"]:
         if "slime.engines.native" in what or "sglang::router" in what:
             assert ip in NODES, (ip, what)
-    # connections to a port some Ray daemon listened on in any sample are Ray's, not slime's
+    # connections to a port some Ray process listened on in any sample are Ray's, not slime's
     to_loopback = sorted(x for x in seen["connect"] if x[0] == "127.0.0.1" and x[1] not in seen["ray_ports"])
-    assert not to_loopback, to_loopback
+    assert not to_loopback, [(x, seen["owners"].get(x[1], "no listener seen")) for x in to_loopback]
 
 
 def test_train_rank_and_engine_on_different_nodes(cluster, task, tmp_path):
@@ -162,7 +173,8 @@ def test_more_train_nodes_than_the_cluster_has_is_one_line(cluster, task, tmp_pa
     cmd = ["ray", "job", "submit", "--working-dir", str(ROOT),
            "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
            "python", "train.py", "--actor-num-nodes", "3", "--actor-num-gpus-per-node", "1", "--colocate",
-           "--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--global-batch-size", "12", "--num-rollout", "1",
+           "--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--global-batch-size", "12",
+           "--num-rollout", "1",
            "--prompt-data", task["train"], "--input-key", "prompt", "--apply-chat-template",
            "--hf-checkpoint", task["model"],
            "--output-dir", str(out)]
