@@ -66,8 +66,7 @@ if [ "$vllm_rc" != 0 ]; then
 fi
 
 t=$(date +%s)
-# end-to-end runs (Ray + engines + trainers) and slow tests, spread one by one except those that
-# share an expensive fixture (SHARED_FIXTURES in tests/conftest.py: one worker builds it once); each
-# worker has its own shared Ray cluster (tests/e2e/conftest.py)
-python -m pytest -q -n "$WORKERS" --dist loadgroup --durations=40 -m "e2e or slow"
+# end-to-end runs (Ray + engines + trainers) and slow tests; a file's tests stay on one worker (they
+# share its module fixtures), and each worker has its own shared Ray cluster (tests/e2e/conftest.py)
+python -m pytest -q -n "$WORKERS" --dist loadfile --durations=25 -m "e2e or slow"
 phase "e2e + slow tests" "$t" "$(date +%s)"

@@ -15,28 +15,12 @@ import pytest  # noqa: E402
 E2E = Path(__file__).parent / "e2e"
 
 
-# fixtures that cost a run or a server each: the tests using one share a pytest worker under
-# `--dist loadgroup` (scripts/test.sh), so it is built once; every other test spreads on its own
-SHARED_FIXTURES = {
-    "reference_run": "session",  # tests/e2e/conftest.py: a quick-start-shaped train.py run
-    "cluster": "module",  # tests/e2e/test_multinode.py: a two-node Ray cluster
-    "engine": "module",  # tests/contracts/test_engine_kinds.py: a server of each engine kind (vLLM's ~40 s)
-    "torch_dist": "module",  # tests/unit/tools/test_convert_megatron.py: a converted checkpoint
-}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Everything under tests/e2e/ is an end-to-end run (marker `e2e`, excluded from the default run);
-    tests that use one of `SHARED_FIXTURES` get an `xdist_group` (per module for a module-scoped one)."""
+    """Everything under tests/e2e/ is an end-to-end run (marker `e2e`, excluded from the default run)."""
     for item in items:
         if E2E in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
-        shared = sorted(name for name in getattr(item, "fixturenames", ()) if name in SHARED_FIXTURES)
-        if shared:
-            name = shared[0]
-            group = name if SHARED_FIXTURES[name] == "session" else f"{item.module.__name__}.{name}"
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
