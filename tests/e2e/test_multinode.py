@@ -118,7 +118,9 @@ def _submit(cluster, task, out: Path, *flags: str):
            "--rollout-max-response-len", "8", "--rollout-temperature", "1.0", "--lr", "1e-2",
            "--micro-batch-size", "4", "--seed", "7", "--custom-rm-path", f"{reward}:reward",
            "--check-weight-update-equal", "--output-dir", str(out), *flags]
-    seen: dict = {}
+    # the ports scripts/local_cluster.sh gave Ray's daemons: a worker's connection to one of them is
+    # Ray's even when no sample caught the daemon listening (still starting, or a scan that failed)
+    seen: dict = {"ray_ports": {int(p) for p in Path(cluster["dir"], "ray_ports").read_text().split()}}
     proc = subprocess.Popen(cmd, env=cluster["env"], cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 600
