@@ -18,6 +18,7 @@ Two things would otherwise let a slow request finish first on a loaded machine:
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 
 from slime.rollout.api import context
@@ -31,11 +32,19 @@ def is_slow(sample) -> bool:
     return bool(zlib.crc32(str(sample.prompt).encode()) % 2)
 
 
+HOLD_TIMEOUT_S = 120.0
+
+
 async def _engines_hold_every_slow_request(engines) -> None:
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
     while True:
         infos = await engines.pool.on_each(lambda e: e.server_info())
-        if sum(i["num_running_requests"] + i["num_waiting_requests"] for i in infos) >= _slow_in_flight:
+        held = sum(i["num_running_requests"] + i["num_waiting_requests"] for i in infos)
+        if held >= _slow_in_flight:
             return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slow_or_fast: after {HOLD_TIMEOUT_S:.0f} s the engines hold {held} requests, "
+                               f"fewer than the {_slow_in_flight} slow ones sent")
         await asyncio.sleep(0.02)
 
 
