@@ -21,14 +21,7 @@ nodes=${3:-2}
 gpus=${4:-0}
 python=${PYTHON:-python}
 
-# every port handed to `ray start` is also appended to DIR/ray_ports (one per line): the ports of
-# Ray's own daemons on every node, for tools that tell Ray's traffic from the run's
-free_port() {
-    local port
-    port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    echo "$port" >> "$dir/ray_ports"
-    echo "$port"
-}
+free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # ports Ray would otherwise take from fixed defaults (a second Ray on this machine would collide)
 node_ports() {
@@ -43,7 +36,6 @@ node_ports() {
 case "$cmd" in
 start)
     mkdir -p "$dir"
-    : > "$dir/ray_ports"
     unset RAY_ADDRESS RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER  # a real cluster: Ray's multi-node default
     "$python" -c 'import secrets; print(secrets.token_hex(32))' > "$dir/token"
     chmod 600 "$dir/token"

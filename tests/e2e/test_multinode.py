@@ -72,37 +72,23 @@ def _ip(addr: str) -> str:
 
 
 def _sample(work: str, seen: dict) -> None:
-    """Record every listening socket and every outgoing connection of slime's processes, and who
-    listens on each loopback port (the whole machine's table: a scan of one process can fail). Ray's
-    own daemons and workers are not slime's: a Ray worker reports to its node's agent on 127.0.0.1
-    and talks to the owners of the objects and actors it holds (Ray's design), so connections to a
-    port a Ray process of this cluster listens on are left out."""
-    ray_ports = seen.setdefault("ray_ports", set())  # over every sample
-    owners = seen.setdefault("owners", {})  # loopback port -> who listened on it (for a failure's message)
-    cluster = {}
-    slime = []
+    """Record every listening socket and every outgoing connection of slime's processes. Ray's own
+    daemons and workers are not slime's: a Ray worker reports to its node's agent on 127.0.0.1 and
+    talks to the owners of the objects and actors it holds (Ray's design, and ports Ray picks at
+    run time), so the check below is about slime's servers: the ports slime's processes listen on."""
     for p in _cluster_processes(work):
         try:
             what = " ".join(p.cmdline()[:3])
+            if not any(s in what for s in SLIME_PROCESSES):
+                continue
             conns = p.net_connections(kind="tcp")
         except psutil.Error:
             continue
-        cluster[p.pid] = what
-        if any(s in what for s in SLIME_PROCESSES):
-            slime.append((what, conns))
-        else:
-            ray_ports |= {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
-    for c in psutil.net_connections(kind="tcp"):
-        if c.status == psutil.CONN_LISTEN and c.pid is not None and _ip(c.laddr.ip) in ("127.0.0.1", "0.0.0.0", "::"):
-            what = cluster.get(c.pid)
-            owners[c.laddr.port] = what or f"pid {c.pid}, not of this cluster"
-            if what is not None and not any(s in what for s in SLIME_PROCESSES):
-                ray_ports.add(c.laddr.port)
-    for what, conns in slime:
         listening = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
         for c in conns:
             if c.status == psutil.CONN_LISTEN:
                 seen.setdefault("listen", set()).add((_ip(c.laddr.ip), what[:60]))
+                seen.setdefault("slime_ports", {})[c.laddr.port] = what[:60]
             elif c.raddr and c.laddr.port not in listening:  # slime connected out
                 seen.setdefault("connect", set()).add((_ip(c.raddr.ip), c.raddr.port, what[:60]))
 
@@ -118,9 +104,7 @@ def _submit(cluster, task, out: Path, *flags: str):
            "--rollout-max-response-len", "8", "--rollout-temperature", "1.0", "--lr", "1e-2",
            "--micro-batch-size", "4", "--seed", "7", "--custom-rm-path", f"{reward}:reward",
            "--check-weight-update-equal", "--output-dir", str(out), *flags]
-    # the ports scripts/local_cluster.sh gave Ray's daemons: a worker's connection to one of them is
-    # Ray's even when no sample caught the daemon listening (still starting, or a scan that failed)
-    seen: dict = {"ray_ports": {int(p) for p in Path(cluster["dir"], "ray_ports").read_text().split()}}
+    seen: dict = {}
     proc = subprocess.Popen(cmd, env=cluster["env"], cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 600
@@ -148,9 +132,12 @@ def _learned_and_closed(out: Path, seen: dict) -> None:
     for ip, what in seen["listen"]:
         if "slime.engines.native" in what or "sglang::router" in what:
             assert ip in NODES, (ip, what)
-    # connections to a port some Ray process listened on in any sample are Ray's, not slime's
-    to_loopback = sorted(x for x in seen["connect"] if x[0] == "127.0.0.1" and x[1] not in seen["ray_ports"])
-    assert not to_loopback, [(x, seen["owners"].get(x[1], "no listener seen")) for x in to_loopback]
+    # slime's processes reach slime's servers (engines, router, stores) at a node's address, never
+    # 127.0.0.1: a client that did would only work while every process shares one machine
+    ports = seen["slime_ports"]
+    assert any(ip in NODES and port in ports for ip, port, _ in seen["connect"]), (seen["connect"], ports)
+    to_loopback = sorted(x for x in seen["connect"] if x[0] == "127.0.0.1" and x[1] in ports)
+    assert not to_loopback, [(x, "listened on by " + ports[x[1]]) for x in to_loopback]
 
 
 def test_train_rank_and_engine_on_different_nodes(cluster, task, tmp_path):
