@@ -28,7 +28,7 @@ from slime.utils.pipeline_layout import PipelineLayout
 from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, is_builtin, reward_name
 
 if TYPE_CHECKING:
-    from slime.arguments import Args
+    from slime.utils.args_namespace import Args
 
 # the policy loss each estimator trains with (slime.algorithms.losses.POLICY_LOSSES)
 POLICY_LOSS_OF_ESTIMATOR = {"gspo": "gspo", "cispo": "cispo"}

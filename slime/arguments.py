@@ -54,6 +54,7 @@ from slime.environment_flags import add_environment_flags, validate_environment
 from slime.reward_flags import add_judge_flags, add_reward_flags, validate_judge
 from slime.model_flags import add_model_flags
 from slime.script_flags import add_script_flags
+from slime.utils.args_namespace import Args  # noqa: F401 (the namespace parse_args returns)
 from slime.utils.errors import SlimeConfigError
 from slime.utils.flag_parsing import check_unknown_flags, collect_pass_through, json_object
 from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, unavailable_message
@@ -67,19 +68,6 @@ ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinfor
 LOSS_TYPES = ("policy_loss", "sft_loss", "custom_loss")
 TIS_LEVELS = ("token", "sequence", "geometric")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-class Args(argparse.Namespace):
-    """argparse namespace that refuses writes once validation has frozen it."""
-
-    def __setattr__(self, name, value):
-        if self.__dict__.get("_frozen"):
-            raise AttributeError(f"args are read-only after validation (tried to set {name!r})")
-        super().__setattr__(name, value)
-
-    def freeze(self) -> "Args":
-        self.__dict__["_frozen"] = True
-        return self
 
 
 class _Parser(argparse.ArgumentParser):

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from slime.utils.flag_parsing import json_object
 
 FSDP_ATTENTION = {"auto": "sdpa", "fused": "sdpa", "unfused": "eager", "local": "eager", "flash": "flash_attention_2"}
@@ -101,6 +99,8 @@ def _attention_backend(args, value, moe):
                     "spec (unfused attention): use --attention-backend unfused or auto")
         return None
     if value == "flash":
+        import torch  # here: this module is imported wherever `args` is unpickled
+
         if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
             return ("flash needs a CUDA device and the flash-attn package (pip install flash-attn); use "
                     "--attention-backend auto (PyTorch SDPA, which picks flash kernels on GPUs itself)")

@@ -18,10 +18,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig
-
 from slime.utils.errors import DataError
-from slime.utils.vision import ImageError, VisionProcessor, is_vision_config
 
 MARKER = "<image>"
 
@@ -32,6 +29,12 @@ class RowImages:
         if set(multimodal_keys) != {"image"}:
             raise DataError(f"--multimodal-keys: only images are supported (key \"image\"), "
                             f"got {sorted(multimodal_keys)}")
+        # imported here: slime.utils.vision needs torch and transformers, and this module is imported
+        # wherever `args` is unpickled (through slime.eval_flags), text-only runs included
+        from transformers import AutoConfig
+
+        from slime.utils.vision import VisionProcessor, is_vision_config
+
         config = AutoConfig.from_pretrained(model)
         if not is_vision_config(config):
             raise DataError(f"--multimodal-keys: {model} is a text-only model ({config.model_type}); "
@@ -90,6 +93,8 @@ class RowImages:
 
     def encode(self, where: str, text: str, images: list[str]) -> list[int]:
         """The rendered prompt's token ids with every image slot expanded (the images decoded and checked)."""
+        from slime.utils.vision import ImageError
+
         try:
             return self.processor.encode(text, images)[0]
         except ImageError as e:
