@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from slime.algorithms.losses import POLICY_LOSSES
 from slime.algorithms.off_policy import POLICY_LOSS_TYPES, SAPO_TAU_NEG, SAPO_TAU_POS, TIS_MODES
@@ -95,6 +94,10 @@ def matching_names(names: list[str], patterns: list[str], flag: str = "--freeze-
 
 def _hf_parameter_names(hf_checkpoint: str) -> list[str]:
     """The checkpoint's causal LM parameter names, from a model on the meta device (no memory)."""
+    # imported here: the Auto model classes pull transformers' modeling code (~1 s), which the
+    # driver parsing flags without a parameter pattern never needs
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(hf_checkpoint)
         cls = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM

@@ -32,8 +32,7 @@ class RowImages:
         # imported here: slime.utils.vision needs torch and transformers, and this module is imported
         # wherever `args` is unpickled (through slime.eval_flags), text-only runs included
         from transformers import AutoConfig
-
-        from slime.utils.vision import VisionProcessor, is_vision_config
+        from slime.utils.vision import VisionProcessor, is_vision_config  # (see above)
 
         config = AutoConfig.from_pretrained(model)
         if not is_vision_config(config):
@@ -93,7 +92,7 @@ class RowImages:
 
     def encode(self, where: str, text: str, images: list[str]) -> list[int]:
         """The rendered prompt's token ids with every image slot expanded (the images decoded and checked)."""
-        from slime.utils.vision import ImageError
+        from slime.utils.vision import ImageError  # here: see __init__
 
         try:
             return self.processor.encode(text, images)[0]

@@ -1,7 +1,8 @@
 """The rules of the house (../shared/DESIGN.md section 2), checked on the source itself:
 
 - no import cycle among slime's modules, function-local imports included (a cycle is named);
-- function-local imports only for the optional heavy dependencies, each with a comment;
+- function-local imports only for the optional heavy dependencies, each with a comment, and for
+  torch and transformers in the few modules that must import cheaply (CHEAP_TO_IMPORT);
 - dependencies point one way: the drivers' part -> rollout / training -> engines / algorithms / data
   -> types / utils;
 - an engine endpoint path is spelled only in slime/engines/, and the engine kind is decided only
@@ -22,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SLIME = ROOT / "slime"
 OPTIONAL = {"megatron", "vllm", "sglang", "wandb", "reasoning_gym", "verifiers", "openenv", "uvicorn"}
 OPTIONAL_SLIME = ("slime.training.megatron.",)  # the megatron backend imports megatron-core at its top
+# modules that import torch and transformers (and slime.utils.vision, which needs both) only in the
+# function that uses them: every Ray actor imports the first two when it unpickles `args`
+# (tests/unit/core/test_arguments.py checks that this imports neither), and every driver the third
+CHEAP_TO_IMPORT = {"slime.data.images", "slime.script_flags", "slime.off_policy_flags"}
+DEFERRED = {"torch", "transformers"}
+DEFERRED_SLIME = ("slime.utils.vision",)
 
 
 def _module_name(path: Path) -> str:
@@ -122,6 +129,9 @@ def test_function_local_imports_only_for_optional_dependencies_with_a_comment():
                 mods = [a.name for a in sub.names] if isinstance(sub, ast.Import) else [sub.module or ""]
                 commented = "#" in lines[sub.lineno - 1] or lines[sub.lineno - 2].strip().startswith(("#", "try:  #"))
                 optional = all(m.split(".")[0] in OPTIONAL or m.startswith(OPTIONAL_SLIME) for m in mods)
+                deferred = name in CHEAP_TO_IMPORT and all(m.split(".")[0] in DEFERRED or m in DEFERRED_SLIME
+                                                           for m in mods)
+                optional = optional or deferred
                 if not optional or not commented:
                     bad.append(f"{path.relative_to(ROOT)}:{sub.lineno}: {', '.join(mods)}")
     assert not bad, "function-local imports of non-optional modules, or without a comment saying why:\n" + \

@@ -1,5 +1,7 @@
 import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -58,6 +60,22 @@ def test_args_are_read_only_and_picklable(base):
     assert copy.rollout_batch_size == 1
     with pytest.raises(AttributeError):
         copy.lr = 1.0
+
+
+def test_unpickling_args_imports_neither_torch_nor_transformers(base, tmp_path):
+    """Every Ray actor unpickles `args`: the EngineServer actor, which only supervises its engine's
+    process, must not pay torch's and transformers' import (about 3 CPU-s) for it. Flags that put
+    slime objects into `args` (eval datasets, script flags) are on."""
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text('{"input": "q", "label": "1"}\n')
+    args = parse_args(base + ["--rollout-batch-size", "1", "--num-rollout", "1",
+                              "--eval-prompt-data", "probe", str(eval_data)])
+    blob = tmp_path / "args.pkl"
+    blob.write_bytes(pickle.dumps(args))
+    code = ("import pickle, sys; a = pickle.loads(open(sys.argv[1], 'rb').read()); "
+            "print(a.rollout_batch_size, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(blob)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "[]"], out.stdout + out.stderr
 
 
 def test_missing_checkpoint_dir(base, tmp_path):
