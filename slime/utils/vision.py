@@ -105,6 +105,16 @@ def load_lm(path: str, **kwargs) -> torch.nn.Module:
     return cls.from_pretrained(path, **kwargs)
 
 
+
+def own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its parameters and buffers copied into memory this process owns, for a model that
+    computes on the CPU. `load_lm` leaves them in transformers' mapping of the checkpoint's
+    safetensors file: 8-byte aligned there (CPU kernels then round differently from the 64-byte
+    aligned copy any sharding, memory release or resume makes) and changed if that file is rewritten."""
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.clone()
+    return model
+
 class VisionProcessor:
     """Images -> model inputs for a Qwen-VL model directory (its tokenizer and image processor)."""
 

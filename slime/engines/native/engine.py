@@ -58,7 +58,7 @@ from slime.engines.native.sampling import request_seed, sample_next_tokens
 from slime.engines.native import vision
 from slime.engines.native.weights import EngineWeights
 from slime.utils.threads import default_num_threads
-from slime.utils.vision import load_lm
+from slime.utils.vision import load_lm, own_memory
 from slime.engines.protocol import (
     GenerateInput,
     ProtocolError,
@@ -118,12 +118,8 @@ class NativeEngine(EngineWeights, EngineLora):
         dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
         self.model = load_lm(self.model_path, attn_implementation="sdpa", **{dtype_kw: self.dtype})
         self.model.to(self.device).eval()
-        if self.device.type == "cpu":
-            # memory of the engine's own: transformers maps the checkpoint's safetensors file, whose
-            # tensors sit 8-byte aligned there and change if that file is rewritten. A copy is 64-byte
-            # aligned like the weights after a memory release and resume, so those serve the same numbers
-            for p in self.model.parameters():
-                p.data = p.data.clone()
+        if self.device.type == "cpu":  # the same numbers before and after a memory release and resume
+            own_memory(self.model)
         cfg = self.model.config
         self.vision = vision.processor_of(self)  # images (Qwen-VL models; vision.py), None when text-only
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)

@@ -59,7 +59,7 @@ from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import checkpoint_names, write_hf_dir
 from slime.utils.net import node_address
-from slime.utils.vision import VisionProcessor, is_vision_config, load_lm
+from slime.utils.vision import VisionProcessor, is_vision_config, load_lm, own_memory
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class FSDPBackend(StepTail):
         model.eval()
         if self.device.type == "cuda":
             model.to(self.device)
+        else:  # computes where it was loaded: sharded or not, the same numbers
+            own_memory(model)
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # --lora-rank: peft adapters on the frozen base; the reference model is the same model with the
         # adapter switched off (slime.training.lora)
@@ -193,6 +195,8 @@ class FSDPBackend(StepTail):
         like the policy (each rank holds 1/N of it; a forward gathers one layer at a time); on a GPU it
         also stays in host memory and comes to the device layer by layer, only for its forward."""
         ref = load_lm(path, dtype=torch.float32, attn_implementation=self.args.attn_implementation)
+        if self.device.type != "cuda":
+            own_memory(ref)
         ref.eval()
         ref.requires_grad_(False)
         if self.segmented and not _set_attention(ref, PACKED_SDPA):  # packed rows attend per sample there too

@@ -6,6 +6,8 @@ and every MoE flag error is one line."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -129,7 +131,11 @@ def test_load_balancing_loss_reaches_the_routers(tiny_moe_model_dir, tmp_path):
                                                                   "not built"),
     (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
 ])
-def test_moe_flag_errors(tiny_moe_model_dir, tmp_path, flags, message):
+def test_moe_flag_errors(tiny_moe_model_dir, tmp_path, flags, message, monkeypatch):
+    venv = tmp_path / "vllm_venv"  # parsing --rollout-backend vllm looks for vLLM's venv first
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("SLIME_VLLM_VENV", str(venv))
     with pytest.raises(SlimeConfigError, match=message):
         make_args(tiny_moe_model_dir, tmp_path, *flags)
 

@@ -43,7 +43,9 @@ def test_two_ranks_hold_half_the_reference_each_and_score_it_identically(tiny_mo
                      "--rollout-batch-size", 2)
     port = free_port()
     sharded = ray.get([_remote_reference.remote(args, r, 2, port) for r in range(2)])
-    alone, alone_local, total = _reference(make_args(tiny_model_dir, tmp_path, "--use-kl-loss"), 0, 1, free_port())
+    # the unsharded copy in an actor too: this pytest worker's torch state (threads) is what earlier tests left
+    alone, alone_local, total = ray.get(_remote_reference.remote(make_args(tiny_model_dir, tmp_path, "--use-kl-loss"),
+                                                                 0, 1, free_port()))
     assert alone_local == total
     for lp, local, all_ in sharded:
         assert all_ == total and local <= total // 2 + 64  # half of every tensor (row-split, rounded up)
