@@ -3,9 +3,11 @@
 
     python tools/convert_hf_to_torch_dist.py --hf-checkpoint HF_DIR --save OUT [--make-vocab-size-divisible-by 128]
 
-For Llama / Qwen2 / Qwen3 (dense) models. A megatron-core GPTModel is built on CPU
-from the HF config, filled with the HF weights (q/k/v fused per query group into
-linear_qkv, gate/up into linear_fc1) and saved with megatron's own
+For Llama / Qwen2 / Qwen3 (dense) and Qwen3-MoE / Qwen2-MoE / Mixtral (every layer MoE)
+models. A megatron-core GPTModel is built on CPU from the HF config, filled with the HF
+weights (q/k/v fused per query group into linear_qkv, gate/up into linear_fc1; the router
+and each expert into megatron's MoE layer, `mlp.experts.local_experts.<i>`, with global
+expert ids, and Qwen2-MoE's shared expert and its gate) and saved with megatron's own
 sharded_state_dict + dist_checkpointing, in Megatron-LM's layout:
 `OUT/iter_0000000/` and `OUT/latest_checkpointed_iteration.txt`. The embedding
 (and an untied output layer) is padded with zero rows the way Megatron-LM pads
@@ -33,19 +35,22 @@ def convert(hf_checkpoint: str | Path, save: str | Path, make_vocab_size_divisib
     mc.require_megatron()
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from slime.training.megatron import moe  # after the check: it imports megatron-core
+
     hf = Path(hf_checkpoint)
     if not (hf / "config.json").is_file():
         raise SlimeError(f"--hf-checkpoint {hf}: no config.json")
     config = AutoConfig.from_pretrained(hf)
-    mc.check_config(config)
+    moe.check_convertible(config)
     hf_model = AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
     state = {k: v.detach() for k, v in hf_model.state_dict().items()}
     dtype = state["model.embed_tokens.weight"].dtype
     vocab_rows = mc.padded_vocab_size(state["model.embed_tokens.weight"].shape[0], make_vocab_size_divisible_by)
-    mcore_state = mc.hf_to_mcore(state, config, vocab_rows=vocab_rows)
+    family = moe if moe.is_moe(config) else mc
+    mcore_state = family.hf_to_mcore(state, config, vocab_rows=vocab_rows)
     del hf_model, state
     with mc.single_process_parallel_state():
-        model = mc.build_gpt_model(config, vocab_rows, dtype)
+        model = family.build_gpt_model(config, vocab_rows, dtype)
         mc.load_mcore_state(model, mcore_state)
         return mc.save_torch_dist(model, save)
 

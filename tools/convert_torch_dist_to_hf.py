@@ -6,7 +6,8 @@
 CKPT is a Megatron save directory (its `latest_checkpointed_iteration.txt` names
 the iteration) or one `iter_XXXXXXX` / `release` directory in it, written by
 megatron.core.dist_checkpointing for a GPTModel with TP/PP of any size (the
-loader reshards). For Llama / Qwen2 / Qwen3 (dense) models. The architecture,
+loader reshards; an MoE model's experts at any expert-parallel size too). For Llama /
+Qwen2 / Qwen3 (dense) and Qwen3-MoE / Qwen2-MoE / Mixtral models. The architecture,
 config and tokenizer come from `--origin-hf-dir`. Embedding rows padded beyond the
 vocabulary are trimmed to `--vocab-size`, default the origin config's vocab_size.
 Needs megatron-core (`pip install megatron-core`).
@@ -37,7 +38,10 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
     if not (origin / "config.json").is_file():
         raise SlimeError(f"--origin-hf-dir {origin}: no config.json")
     config = AutoConfig.from_pretrained(origin)
-    mc.check_config(config)
+    from slime.training.megatron import moe  # after the check: it imports megatron-core
+
+    moe.check_convertible(config)
+    family = moe if moe.is_moe(config) else mc
     ckpt = mc.resolve_checkpoint_dir(input_dir)
     shapes = mc.checkpoint_tensor_shapes(ckpt)
     if _EMBEDDING_KEY not in shapes:
@@ -48,10 +52,10 @@ def convert(input_dir: str | Path, output_dir: str | Path, origin_hf_dir: str | 
     if vocab_size is None:
         vocab_size = min(config.vocab_size, vocab_rows)
     with mc.single_process_parallel_state():
-        model = mc.build_gpt_model(config, vocab_rows, dtype)
+        model = family.build_gpt_model(config, vocab_rows, dtype)
         mc.load_torch_dist(model, ckpt)
         mcore_state = {k: v.detach() for k, v in model.state_dict().items() if hasattr(v, "detach")}
-    state = mc.mcore_to_hf(mcore_state, config, vocab_size=vocab_size)
+    state = family.mcore_to_hf(mcore_state, config, vocab_size=vocab_size)
     del model, mcore_state
     config.vocab_size = vocab_size
     return save_hf_model(state, config, origin, output_dir, source=str(ckpt), dtype=dtype)

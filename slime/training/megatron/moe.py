@@ -46,6 +46,8 @@ import re
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
 
@@ -115,6 +117,40 @@ def transformer_config(config, dtype, ep: int = 1):
         fields.update(moe_shared_expert_intermediate_size=shared_ffn(config), moe_shared_expert_gate=True)
     return dataclasses.replace(base, **fields)
 
+
+
+def check_convertible(config) -> None:
+    """What tools/convert_*torch_dist* map, one line when not: a dense family of convert.py, or an
+    MoE family of this module with every layer MoE."""
+    mt = getattr(config, "model_type", None)
+    if is_moe(config):
+        check_moe_config(config, tp=1, pp=1, ep=1)
+        mc.check_config(dense_twin(config))
+    elif mt not in mc.SUPPORTED_MODEL_TYPES:
+        raise SlimeError(f"model_type {mt!r} is not supported (supported: "
+                         f"{', '.join((*mc.SUPPORTED_MODEL_TYPES, *DENSE_TWIN))})")
+    else:
+        mc.check_config(config)
+
+
+def build_gpt_model(config, vocab_rows: int, dtype):
+    """convert.build_gpt_model for an MoE config: the whole model on one process (EP 1) with
+    megatron's MoE layers; needs convert.single_process_parallel_state()."""
+    theta, _ = mc._rope(config)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(dense_twin(config)),
+                                    num_experts=num_experts(config), moe_grouped_gemm=False)
+    model = GPTModel(
+        config=transformer_config(config, dtype),
+        transformer_layer_spec=spec,
+        vocab_size=vocab_rows,
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=theta,
+    )
+    return model.to(dtype)
 
 # ------------------------------------------------------------------ weights
 

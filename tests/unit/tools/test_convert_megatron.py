@@ -96,7 +96,7 @@ FORWARD = textwrap.dedent("""
     import contextlib, importlib.util, json, sys
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from slime.training.megatron import convert as mc
+    from slime.training.megatron import convert as mc, moe
     from slime.training.megatron.shims import use_cpu_rng_tracker
 
     hf_dir, save, back = sys.argv[1:4]
@@ -112,7 +112,7 @@ FORWARD = textwrap.dedent("""
     use_cpu_rng_tracker()
     rows = mc.checkpoint_tensor_shapes(ckpt)["embedding.word_embeddings.weight"][0][0]
     with mc.single_process_parallel_state(), mc.cpu_only_cuda_shims():
-        model = mc.build_gpt_model(config, rows, torch.float32).eval()
+        model = (moe if moe.is_moe(config) else mc).build_gpt_model(config, rows, torch.float32).eval()
         mc.load_torch_dist(model, ckpt)
         s = ids.shape[1]
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
@@ -145,9 +145,20 @@ def _tiny_hf(kind, path):
     return path
 
 
-@pytest.mark.parametrize("kind", ["tiny_llama", "llama_untied", "qwen2", "qwen3"])
+def _tiny_moe_hf(family, path):
+    """A tiny random MoE (4 experts, top-2; qwen2_moe with a gated shared expert): each expert random
+    on its own, so a misplaced expert or a wrong gate/up split shows up in the logits."""
+    from slime.utils.tiny_model import build_tiny_moe_model
+
+    return build_tiny_moe_model(path, seed=0, family=family)
+
+
+@pytest.mark.parametrize("kind", ["tiny_llama", "llama_untied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_megatron_forward_matches_hf(kind, tiny_model_dir, tmp_path):
-    hf_dir = tiny_model_dir if kind == "tiny_llama" else _tiny_hf(kind, tmp_path / "hf")
+    if kind.endswith("_moe"):
+        hf_dir = _tiny_moe_hf(kind, tmp_path / "hf")
+    else:
+        hf_dir = tiny_model_dir if kind == "tiny_llama" else _tiny_hf(kind, tmp_path / "hf")
     proc = subprocess.run([sys.executable, "-c", FORWARD, str(hf_dir), str(tmp_path / "td"), str(tmp_path / "back")],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -162,3 +173,39 @@ def test_megatron_forward_matches_hf(kind, tiny_model_dir, tmp_path):
     assert sorted(original) == sorted(converted)
     for name, tensor in original.items():
         assert torch.equal(tensor, converted[name]), name
+
+
+def test_moe_experts_are_stacked_under_megatron_names(tmp_path):
+    """Every expert of a layer in one sharded tensor (global expert ids: any expert-parallel size loads
+    it), the router and Qwen2-MoE's shared expert and its gate beside them."""
+    hf_dir = _tiny_moe_hf("qwen2_moe", tmp_path / "hf")
+    proc = run_tool("convert_hf_to_torch_dist.py", "--hf-checkpoint", hf_dir, "--save", tmp_path / "td")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path / "td" / "iter_0000000"))
+    shapes = {k: tuple(v.global_shape) for k, v in meta.items() if ".mlp." in k}
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    layers, experts, hidden = config["num_hidden_layers"], config["num_experts"], config["hidden_size"]
+    ffn, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    assert shapes == {
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (layers, hidden),
+        "decoder.layers.mlp.router.weight": (layers, experts, hidden),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (layers, experts, 2 * ffn, hidden),
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (layers, experts, hidden, ffn),
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight": (layers, 2 * shared, hidden),
+        "decoder.layers.mlp.shared_experts.linear_fc2.weight": (layers, hidden, shared),
+        "decoder.layers.mlp.shared_experts.gate_weight": (layers, 1, hidden),
+    }
+
+
+def test_a_model_type_neither_dense_nor_moe_is_one_clear_line(tiny_model_dir, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    proc = run_tool("convert_hf_to_torch_dist.py", "--hf-checkpoint", hf, "--save", tmp_path / "td")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "slime: error: model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3, qwen3_moe, qwen2_moe, "
+        "mixtral)")

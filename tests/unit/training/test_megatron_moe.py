@@ -2,9 +2,14 @@
 on CPU (gloo): the tiny Qwen3-MoE / Mixtral / Qwen2-MoE give the Hugging Face model's log-probs, the
 HF names round trip (and the saved checkpoint carries the per-expert names), the load-balancing loss
 equals the FSDP backend's, rollout routing replay forces the given experts, and expert parallelism
-(2 ranks) matches one rank. Skipped without megatron-core."""
+(2 ranks) matches one rank, its checkpoint read back at one rank by the tools/ converter. Skipped
+without megatron-core."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +34,7 @@ from tests.helpers.training import (  # noqa: E402
 )
 
 MEGATRON = ["--train-backend", "megatron"]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +148,8 @@ def test_expert_parallel_matches_one_rank(moe_dirs, tmp_path, ray_session):
             group.init()
             refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
             results[name] = ([group.train(0, refs), group.train(1, refs)], group.full_state(optimizer=True))
+            if name == "ep2":  # each rank writes its own experts
+                group.save(str(tmp_path / "ep2_ckpt"))
         finally:
             group.shutdown()
     m1, (s1, o1) = results["one"]
@@ -157,3 +165,12 @@ def test_expert_parallel_matches_one_rank(moe_dirs, tmp_path, ray_session):
     assert set(o2["state"]) == set(o1["state"])
     for pname, st in o1["state"].items():
         torch.testing.assert_close(o2["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
+    # the EP 2 checkpoint, read back at EP 1 by tools/convert_torch_dist_to_hf.py: every expert, exactly
+    out = tmp_path / "ep2_hf"
+    proc = subprocess.run([sys.executable, "tools/convert_torch_dist_to_hf.py", "--input-dir",
+                           str(tmp_path / "ep2_ckpt" / "train_state"), "--output-dir", str(out), "--origin-hf-dir",
+                           model_dir], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(converted) == set(s2)
+    assert_states_close(converted, s2, atol=0)
