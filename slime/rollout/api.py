@@ -147,14 +147,18 @@ TIMING_KEYS = ("queue_time", "prefill_time", "e2e_latency")  # meta_info seconds
 
 
 def _routed_experts(meta: dict, rows: int):
-    """meta_info's `routed_experts` (base64 of int32 [rows, layers, top-k]) as a Tensor, or None."""
+    """meta_info's `routed_experts` (base64 of int32 [rows, layers, top-k]) as a Tensor, or None (none
+    returned, or none recorded)."""
     data = meta.get("routed_experts")
     if data is None:
         return None
     if int(meta.get("routed_experts_start_len", 0) or 0) != 0:
         raise RuntimeError("engine returned routed experts from a later start (routed_experts_start_len); slime "
                            "asks for every token's")
-    flat = torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.int32)
+    raw = base64.b64decode(data)
+    if not raw:  # no forward saw the request (aborted while it waited): the sample keeps the routing it has
+        return None
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.int32)
     if rows < 1 or flat.numel() % rows:
         raise RuntimeError(f"engine returned {flat.numel()} routed expert ids for {rows} tokens")
     return flat.reshape(rows, -1)

@@ -175,7 +175,7 @@ class Request:
                     res.input_top_logprobs = ([None] + self.input_top)[:n_in]
                     res.output_top_logprobs = self.output_top[: len(ids)]
             if self.routed is not None:
-                res.routed_experts = torch.cat(self.routed) if self.routed else torch.zeros(0, dtype=torch.int32)
+                res.routed_experts = torch.cat(self.routed) if self.routed else None  # None: no forward saw it
         except BaseException as e:  # noqa: BLE001
             self.callback(None, e)
             return

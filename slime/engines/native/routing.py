@@ -18,7 +18,8 @@ a prefill gives every request the rows of its prompt (left padding dropped; iden
 prefilled once share their rows), a decode step the row of each running request's last token. The
 deterministic path's per-row forwards record the same way. The prompt-log-prob forward of
 `logprob_start_len` adds no rows; a request that generates nothing (`max_new_tokens: 0`) gets its
-prompt routed by a forward of its own. Rows live in the request only: nothing survives it, so a
+prompt routed by a forward of its own; a request aborted before any forward saw it (while it
+waited) has no `routed_experts` field. Rows live in the request only: nothing survives it, so a
 weight update never mixes routings of old weights into a later request.
 """
 

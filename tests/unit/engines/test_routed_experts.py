@@ -180,3 +180,17 @@ def test_flag_passes_through_and_vllm_refuses():
         with pytest.raises(ProtocolError) as e:
             refuse_routed_experts({"input_ids": [1], "return_routed_experts": value})
         assert e.value.field == "return_routed_experts" and "vLLM" in e.value.message
+
+
+def test_a_request_no_forward_saw_leaves_the_samples_routing():
+    """An abort can reach a request before any forward did (it waited): no rows come back (the native
+    engine sends no field, an empty payload means the same), and the sample keeps the routing of its
+    earlier calls; a partial rollout continues it later with the whole sequence's."""
+    from slime.rollout.api import parse_engine_output
+
+    meta = {"finish_reason": {"type": "abort"}, "prompt_tokens": 5, "output_token_logprobs": []}
+    for extra in ({}, {"routed_experts": "", "routed_experts_start_len": 0}):
+        assert parse_engine_output({"output_ids": [], "meta_info": {**meta, **extra}}).routed_experts is None
+    rows = torch.arange(4 * 2 * 2, dtype=torch.int32).reshape(4, 2, 2)  # 5 prompt tokens - 1, 2 layers, top-2
+    one = {**meta, "routed_experts": base64.b64encode(rows.numpy().tobytes()).decode(), "routed_experts_start_len": 0}
+    assert torch.equal(parse_engine_output({"output_ids": [], "meta_info": one}).routed_experts, rows.reshape(4, -1))
