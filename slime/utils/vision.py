@@ -105,7 +105,6 @@ def load_lm(path: str, **kwargs) -> torch.nn.Module:
     return cls.from_pretrained(path, **kwargs)
 
 
-
 def own_memory(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with its parameters and buffers copied into memory this process owns, for a model that
     computes on the CPU. `load_lm` leaves them in transformers' mapping of the checkpoint's
@@ -114,6 +113,7 @@ def own_memory(model: torch.nn.Module) -> torch.nn.Module:
     for t in [*model.parameters(), *model.buffers()]:
         t.data = t.data.clone()
     return model
+
 
 class VisionProcessor:
     """Images -> model inputs for a Qwen-VL model directory (its tokenizer and image processor)."""

@@ -2,8 +2,9 @@
 machine (the head on 127.0.0.2, the other on 127.0.0.3, one declared GPU each, token auth on) and
 `ray job submit` runs GRPO on it in both layouts: the train rank and the engine on different
 nodes (weights by a broadcast group across nodes), and two train ranks on two nodes
-(`--actor-num-nodes 2`, engines colocated). Every address slime hands out is a node's: no process
-of the run listens on 127.0.0.1 or connects to it, so a leftover hard-coded loopback fails here."""
+(`--actor-num-nodes 2`, engines colocated). Every address slime hands out is a node's: no slime
+process listens on 127.0.0.1 or reaches a slime server there, so a leftover hard-coded loopback
+fails here (Ray's own workers talk to their node's agents on 127.0.0.1; those are not counted)."""
 
 from __future__ import annotations
 

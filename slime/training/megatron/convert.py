@@ -308,15 +308,18 @@ def transformer_config(config, dtype):
     )
 
 
-def build_gpt_model(config, vocab_rows: int, dtype):
-    """megatron-core GPTModel (local layer spec) matching the HF config; needs single_process_parallel_state()."""
+def build_gpt_model(config, vocab_rows: int, dtype, moe_config=None, num_experts: int | None = None):
+    """megatron-core GPTModel (local layer spec) matching the (dense) HF config; needs
+    single_process_parallel_state(). An MoE model passes its dense twin as `config` with its own
+    TransformerConfig (`moe_config`) and expert count (slime.training.megatron.moe.build_gpt_model)."""
     from megatron.core.models.gpt import GPTModel  # optional extra (megatron-core)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # optional extra (megatron-core)
 
     theta, _ = _rope(config)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=has_qk_norm(config))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=has_qk_norm(config),
+                                    num_experts=num_experts, moe_grouped_gemm=False)
     model = GPTModel(
-        config=transformer_config(config, dtype),
+        config=moe_config or transformer_config(config, dtype),
         transformer_layer_spec=spec,
         vocab_size=vocab_rows,
         max_sequence_length=config.max_position_embeddings,

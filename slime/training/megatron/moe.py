@@ -46,8 +46,6 @@ import re
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
 
@@ -118,7 +116,6 @@ def transformer_config(config, dtype, ep: int = 1):
     return dataclasses.replace(base, **fields)
 
 
-
 def check_convertible(config) -> None:
     """What tools/convert_*torch_dist* map, one line when not: a dense family of convert.py, or an
     MoE family of this module with every layer MoE."""
@@ -136,21 +133,9 @@ def check_convertible(config) -> None:
 def build_gpt_model(config, vocab_rows: int, dtype):
     """convert.build_gpt_model for an MoE config: the whole model on one process (EP 1) with
     megatron's MoE layers; needs convert.single_process_parallel_state()."""
-    theta, _ = mc._rope(config)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.has_qk_norm(dense_twin(config)),
-                                    num_experts=num_experts(config), moe_grouped_gemm=False)
-    model = GPTModel(
-        config=transformer_config(config, dtype),
-        transformer_layer_spec=spec,
-        vocab_size=vocab_rows,
-        max_sequence_length=config.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_base=theta,
-    )
-    return model.to(dtype)
+    return mc.build_gpt_model(dense_twin(config), vocab_rows, dtype, moe_config=transformer_config(config, dtype),
+                              num_experts=num_experts(config))
+
 
 # ------------------------------------------------------------------ weights
 
