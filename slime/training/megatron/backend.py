@@ -169,13 +169,21 @@ class MegatronBackend(StepTail):
                                  scores=critic.response_values if value_head else None) if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self._expert_param_ids = {id(p) for c in self.chunks for n, p in c.named_parameters() if moe.is_expert(n)}
         adam = dict(lr=self.lr_schedule.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                     weight_decay=args.weight_decay)
         # --use-distributed-optimizer: each data-parallel rank keeps the AdamW state of its share of the
-        # parameters and updates them (optimizer.py)
-        self.optimizer = ShardedAdamW(params, self.dp_group, **adam) if args.use_distributed_optimizer \
-            else torch.optim.AdamW(params, **adam)
+        # parameters and updates them (optimizer.py); experts are shared over the ranks that hold them
+        self.optimizer = ShardedAdamW(params, self.dp_group, dp_group_of=self._replica_group, **adam) \
+            if args.use_distributed_optimizer else torch.optim.AdamW(params, **adam)
         lr_schedule.start(self.lr_schedule, self.optimizer.param_groups)
+
+    def _replica_group(self, p: Tensor):
+        """The group `p` is replicated over (its gradient is all-reduced over it): the expert-data-parallel
+        group for an expert's weights under expert parallelism, the data-parallel group otherwise."""
+        if self.ep > 1 and id(p) in self._expert_param_ids:
+            return ps.get_expert_data_parallel_group()
+        return self.dp_group
 
     def _check_teacher_shape(self, path: str) -> None:
         teacher = AutoConfig.from_pretrained(path)

@@ -319,9 +319,6 @@ def check_moe_args(args, config, tp: int, pp: int, ep: int, world_size: int) -> 
     if getattr(args, "moe_token_dispatcher_type", None) == "flex":
         raise SlimeConfigError("--moe-token-dispatcher-type flex needs DeepEP / GPU kernels; use alltoall or "
                                "allgather")
-    if ep > 1 and getattr(args, "use_distributed_optimizer", False):
-        raise SlimeConfigError("--use-distributed-optimizer with --expert-model-parallel-size > 1 is not built "
-                               "(the ZeRO-1 shards assume parameters replicated over the data-parallel group)")
 
 
 @contextlib.contextmanager

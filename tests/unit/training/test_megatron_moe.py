@@ -130,15 +130,19 @@ def test_megatron_moe_flags(moe_dirs, tmp_path, flags, message):
 
 @pytest.mark.slow
 def test_expert_parallel_matches_one_rank(moe_dirs, tmp_path, ray_session):
-    """EP 2 (2 ranks, 2 experts each, all-to-all over gloo) and one rank: the same metrics (expert usage
-    and grad norm included), weights and AdamW state after two steps."""
+    """EP 2 (2 ranks, 2 experts each, all-to-all over gloo), with torch AdamW and with the distributed
+    optimizer (the dense weights' AdamW state split over the 2 data-parallel ranks, each expert's kept by
+    the rank that holds it), and one rank: the same metrics (expert usage and grad norm included),
+    weights and AdamW state after two steps. The distributed optimizer's EP 2 checkpoint resumes at one
+    rank: the loaded state is the saved one exactly, and the next step is the one-rank run's."""
     import ray
 
     from slime.ray.actor_group import TrainGroup
 
     model_dir = moe_dirs["qwen3_moe"]
     batch = synthetic_batch(model_dir, 8, seed=23)
-    layouts = {"one": (1, [], 2), "ep2": (2, ["--expert-model-parallel-size", 2], 1)}
+    ep2 = ["--expert-model-parallel-size", 2]
+    layouts = {"ep2": (2, ep2, 1), "ep2_zero1": (2, [*ep2, "--use-distributed-optimizer"], 1), "one": (1, [], 2)}
     results = {}
     for name, (ranks, flags, mbs) in layouts.items():
         args = make_args(model_dir, tmp_path, *COMMON, *MEGATRON, "--actor-num-gpus-per-node", ranks,
@@ -148,23 +152,42 @@ def test_expert_parallel_matches_one_rank(moe_dirs, tmp_path, ray_session):
             group.init()
             refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
             results[name] = ([group.train(0, refs), group.train(1, refs)], group.full_state(optimizer=True))
-            if name == "ep2":  # each rank writes its own experts
-                group.save(str(tmp_path / "ep2_ckpt"))
+            if name != "one":  # each rank writes its own experts
+                group.save(str(tmp_path / f"{name}_ckpt"))
+            else:  # a third step, then the same step again from the EP 2 distributed optimizer's checkpoint
+                results["step2"] = (group.train(2, refs), group.full_state(optimizer=True))
+                group.load(str(tmp_path / "ep2_zero1_ckpt"))
+                results["loaded"] = group.full_state(optimizer=True)
+                results["resumed"] = (group.train(2, refs), group.full_state(optimizer=True))
         finally:
             group.shutdown()
     m1, (s1, o1) = results["one"]
     assert m1[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
     assert "train/moe/layer_0/max_load" in m1[0]
-    metrics, (s2, o2) = results["ep2"]
-    for step in range(2):
-        assert set(metrics[step]) == set(m1[step])
-        for k in deterministic(m1[step]):
-            assert metrics[step][k] == pytest.approx(m1[step][k], rel=1e-4, abs=1e-6), (step, k)
-    assert set(s2) == set(s1)
-    assert_states_close(s2, s1, atol=1e-5)
-    assert set(o2["state"]) == set(o1["state"])
-    for pname, st in o1["state"].items():
-        torch.testing.assert_close(o2["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
+    for layout in ("ep2", "ep2_zero1"):
+        metrics, (s2, o2) = results[layout]
+        for step in range(2):
+            assert set(metrics[step]) == set(m1[step])
+            for k in deterministic(m1[step]):
+                assert metrics[step][k] == pytest.approx(m1[step][k], rel=1e-4, abs=1e-6), (layout, step, k)
+        assert set(s2) == set(s1)
+        assert_states_close(s2, s1, atol=1e-5)
+        assert set(o2["state"]) == set(o1["state"])
+        for pname, st in o1["state"].items():
+            torch.testing.assert_close(o2["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
+    # resharding resume: EP 2 + distributed optimizer -> one rank with torch AdamW
+    _, (s_saved, o_saved) = results["ep2_zero1"]
+    s_loaded, o_loaded = results["loaded"]
+    assert_states_close(s_loaded, s_saved, atol=0)
+    assert set(o_loaded["state"]) == set(o_saved["state"])
+    for pname, st in o_saved["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(o_loaded["state"][pname][key], st[key]), (pname, key)
+    (m_step2, (s_step2, _)), (m_resumed, (s_resumed, _)) = results["step2"], results["resumed"]
+    for k in deterministic(m_step2):
+        assert m_resumed[k] == pytest.approx(m_step2[k], rel=1e-4, abs=1e-6), k
+    assert_states_close(s_resumed, s_step2, atol=1e-5)
+    s2 = results["ep2"][1][0]
     # the EP 2 checkpoint, read back at EP 1 by tools/convert_torch_dist_to_hf.py: every expert, exactly
     out = tmp_path / "ep2_hf"
     proc = subprocess.run([sys.executable, "tools/convert_torch_dist_to_hf.py", "--input-dir",

@@ -398,6 +398,33 @@ def _scenario_optim(rank: int, world: int, workdir: Path) -> None:
     step([(ShardedAdamW([lone], dist.group.WORLD, **HYPER), [lone]),
           (torch.optim.AdamW([lone_ref], **HYPER), [lone_ref])], 2)
     assert torch.equal(lone, lone_ref)
+    # parameters replicated over different groups (expert parallelism: each rank's own experts, the
+    # dense weights over both ranks): every rank keeps its experts' whole state and never receives
+    # another rank's experts; the dense weights' state is split over the two ranks as above
+    own = [dist.new_group([r]) for r in range(world)][rank]  # the expert-data-parallel group of size 1
+    experts = [torch.randn(40, 8) + rank for _ in range(2)]  # different on each rank
+    dense = [p.clone() for p in init[:4]]
+    mixed = [p.clone().requires_grad_() for p in experts + dense]
+    mixed_ref = [p.clone().requires_grad_() for p in experts + dense]
+    n_experts = len(experts)
+    opt_mixed = ShardedAdamW(mixed, dist.group.WORLD, **HYPER,
+                             dp_group_of=lambda p: own if any(p is e for e in mixed[:n_experts]) else dist.group.WORLD)
+    plain_mixed = torch.optim.AdamW(mixed_ref, **HYPER)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in dense]
+        expert_grads = [torch.randn(p.shape) * (rank + 1) for p in experts]  # each rank's own
+        for params, o in ((mixed, opt_mixed), (mixed_ref, plain_mixed)):
+            for p, gr in zip(params, expert_grads + grads):
+                p.grad = gr.clone()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(mixed, mixed_ref))
+    assert all(opt_mixed.owns(p) for p in mixed[:n_experts])
+    assert 0 < sum(opt_mixed.owns(p) for p in mixed[n_experts:]) < len(dense)
+    full = opt_mixed.full_state([(f"e{i}", p) for i, p in enumerate(mixed[:n_experts])], all_ranks=True)
+    assert all(torch.equal(full[f"e{i}"]["exp_avg"], plain_mixed.state[p]["exp_avg"])
+               for i, p in enumerate(mixed_ref[:n_experts]))
 
 
 def _worker(scenario: str, rank: int, world: int, workdir: str) -> None:
