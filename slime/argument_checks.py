@@ -56,6 +56,10 @@ def validate_engines(args: Args) -> None:
             f"(--actor-num-nodes x --actor-num-gpus-per-node = {args.dp_size})",
         )
     kind = engine_kind(args)
+    if args.multimodal_keys and not kind.takes_images:
+        able = " and ".join(k.name for k in KINDS.values() if k.takes_images)
+        raise SlimeConfigError(f"--multimodal-keys: images are served by the {able} engines only; --rollout-backend "
+                               f"{kind.name} takes none (docs/vlm.md)")
     args.update_weights_mode = kind.resolve_update_weights_mode(args.update_weights_mode, args.colocate)
     kind.check(args)
 

@@ -66,9 +66,6 @@ def _multimodal_keys(args, value, moe):
                f"got {value!r}"
     if args.train_backend == "megatron":
         return "images are built for --train-backend fsdp only"
-    if args.rollout_backend == "vllm":
-        return ("images are served by the native engine and SGLang only; slime's vLLM adapter sends token "
-                "prompts to vLLM's /v1/completions, which takes no images (docs/vlm.md)")
     if not args.apply_chat_template:
         return "needs --apply-chat-template (the chat template places the images in the prompt)"
     config = Path(args.hf_checkpoint or "") / "config.json"

@@ -38,6 +38,7 @@ class EngineKind:
     swaps_lora_under_pause = False
     pause_mode: str | None = None  # None: the server's own (the native engine and vLLM hold requests in place)
     returns_routed_experts = True  # /generate's return_routed_experts (R3, --use-rollout-routing-replay)
+    takes_images = True  # /generate's image_data (--multimodal-keys)
     # pushed weights carry the checkpoint's names (per-expert MoE weights), as the server loads them;
     # False: transformers' in-memory names (the native engine is a transformers model)
     loads_checkpoint_names = True
@@ -154,6 +155,7 @@ class VllmKind(EngineKind):
 
     name = "vllm"
     returns_routed_experts = False  # vLLM's CPU build does not return the routing (the adapter refuses the field)
+    takes_images = False  # the adapter's /v1/completions takes no images (docs/vlm.md)
 
     def command(self, args, rank, host, port):
         return vllm_command(args, rank, host, port, dtype=self.serve_dtype(args))
