@@ -34,6 +34,7 @@ import torch
 from slime.engines.control import Route
 from slime.observability import spans
 from slime.types import Sample, SampleStatus
+from slime.utils.vision import inline_source
 
 sample_span = spans.sample_span  # `with sample_span(sample, "tool", name=...)`: custom code's timeline spans
 
@@ -171,8 +172,8 @@ async def generate_tokens(input_ids: list[int], sampling_params: dict, engines=N
     engines = engines if engines is not None else context().engines
     started = time.time()
     body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
-    if image_data:
-        body["image_data"] = list(image_data)
+    if image_data:  # local files travel as their bytes: the engine may run on another machine
+        body["image_data"] = [inline_source(x) for x in image_data]
     out = await engines.generate(body)
     finished = time.time()
     out = parse_engine_output(out)

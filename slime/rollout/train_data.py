@@ -19,6 +19,7 @@ from slime.algorithms.advantages import overlong_penalty, post_process_rewards
 from slime.rollout.rewards.mix import gdpo_rewards
 from slime.types import RolloutBatch, Sample, SampleStatus
 from slime.utils.reward_names import reward_name
+from slime.utils.vision import inline_source
 
 
 def fit_batch(args, samples: list[Sample], metrics: dict[str, float]) -> list[Sample]:
@@ -96,7 +97,9 @@ def to_train_batch(args, samples: list[Sample], post_process: Callable | None) -
         group_indices=[s.group_index for s in samples],
         teacher_log_probs=teacher_log_probs(samples, masks) if args.opd_served else None,
         routed_experts=[s.rollout_routed_experts for s in samples] if args.use_rollout_routing_replay else None,
-        images=[s.images for s in samples] if any(s.images for s in samples) else None,
+        # local files as their bytes: a train rank may run on another machine
+        images=[[inline_source(x) for x in s.images] if s.images else s.images for s in samples]
+        if any(s.images for s in samples) else None,
     )
 
 

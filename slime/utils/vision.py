@@ -8,6 +8,10 @@ An image *source* is what a dataset row or a request carries, kept compact (samp
 source, never pixels): a file path, a `file://` URL, a `data:image/...;base64,` URL, or bare
 base64. `load_image` decodes one; a missing file or undecodable bytes raise `ImageError`, naming it.
 
+A local file does not travel as its path: `inline_source` gives its bytes as a `data:` URL, which is
+what the rollout client sends to the engines and what the train ranks receive, so neither an engine
+nor a train rank on another machine has to see the driver's files.
+
 `VisionProcessor` is the Qwen-VL processor's work done from the model directory's tokenizer and
 image processor (`AutoImageProcessor`): pixels and grid of each image, and each `<|image_pad|>` of
 a rendered prompt expanded to the image's token count (t * h * w / merge_size**2), exactly as
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
+import mimetypes
 import re
 from pathlib import Path
 from typing import Any
@@ -70,6 +76,38 @@ def image_bytes(src: Any) -> bytes:
     if len(src) < 4096 and (path.suffix or "/" in src):
         raise ImageError(f"image {describe(src)}: no such file")
     return _b64(src, src)
+
+
+def _local_file(src: str) -> Path | None:
+    """The file a path or file:// URL names (None for a data: URL, base64 or a remote URL)."""
+    if src.startswith("file://"):
+        return Path(src[len("file://"):])
+    if src.startswith(("data:", "http://", "https://")) or len(src) >= 4096:
+        return None
+    path = Path(src)
+    return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=256)
+def _file_data_url(path: str, mtime_ns: int, size: int) -> str:
+    mime = mimetypes.guess_type(path)[0] or "image"
+    return f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def inline_source(src: Any) -> Any:
+    """`src` with a local file (a path or a file:// URL) replaced by a base64 `data:` URL of its
+    bytes; every other source unchanged. The n samples of a prompt share one encoding (cached by the
+    file's path, modification time and size). ImageError names a file:// URL whose file is missing."""
+    if not isinstance(src, str):
+        return src
+    path = _local_file(src)
+    if path is None:
+        return src
+    try:
+        st = path.stat()
+    except OSError:
+        raise ImageError(f"image {describe(src)}: no such file") from None
+    return _file_data_url(str(path), st.st_mtime_ns, st.st_size)
 
 
 def _b64(payload: str, src: str) -> bytes:

@@ -13,7 +13,10 @@ from transformers import AutoTokenizer
 
 from slime.data.dataset import load_prompts
 from slime.data.source import prompt_sample
+from slime.rollout.train_data import to_train_batch
+from slime.types import Sample
 from slime.utils.errors import DataError, SlimeConfigError
+from slime.utils.vision import ImageError, image_bytes, inline_source
 from tests.helpers.args import make_args
 
 KEYS = {"image": "images"}
@@ -95,3 +98,29 @@ def test_images_for_a_text_only_model_is_one_clear_line(tiny_model_dir, tiny_vl_
                   "--rollout-backend", "vllm")
     args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
     assert args.multimodal_keys == KEYS
+
+
+def test_local_files_travel_as_their_bytes(tiny_vl_model_dir, tmp_path):
+    """What the engines and the train ranks receive for an image: a local file (path or file:// URL)
+    as a data: URL of its bytes, encoded once for the n samples of a prompt; other sources as given."""
+    red = tmp_path / "red.png"
+    red.write_bytes(_png((255, 0, 0)))
+    url = inline_source(str(red))
+    assert url.startswith("data:image/png;base64,") and image_bytes(url) == red.read_bytes()
+    assert inline_source(f"file://{red}") == url
+    assert inline_source(str(red)) is url  # cached: one encoding shared by every sample of the prompt
+    b64 = base64.b64encode(_png((0, 0, 255))).decode()
+    assert inline_source(b64) is b64 and inline_source(url) is url
+    red.write_bytes(_png((0, 255, 0), (64, 56)))  # a rewritten file is read again
+    assert image_bytes(inline_source(str(red))) == red.read_bytes()
+    with pytest.raises(ImageError, match="missing.png: no such file"):
+        inline_source(f"file://{tmp_path}/missing.png")
+    # the train batch: local files inlined, the samples themselves keep their paths
+    args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
+    samples = [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], reward=1.0, rollout_log_probs=[-0.5],
+                      images=[str(red), b64], group_index=0, index=0),
+               Sample(tokens=[1, 2, 4], response_length=1, loss_mask=[1], reward=0.0, rollout_log_probs=[-0.5],
+                      group_index=0, index=1)]
+    batch = to_train_batch(args, samples, None)
+    assert batch.images == [[inline_source(str(red)), b64], None]
+    assert samples[0].images == [str(red), b64]

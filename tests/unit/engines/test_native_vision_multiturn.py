@@ -22,7 +22,7 @@ from slime.training.backend import MicroBatch
 from slime.training.fsdp.backend import FSDPBackend
 from slime.utils.hooks import load_function
 from slime.utils.net import LOOPBACK, free_port
-from slime.utils.vision import VisionProcessor, load_image
+from slime.utils.vision import VisionProcessor, image_bytes, inline_source, load_image
 from tests.helpers.args import make_args
 
 EXAMPLES = Path(__file__).parents[3] / "examples"
@@ -113,7 +113,11 @@ def test_env_image_turn_masks_and_images_are_exact(episodes, tiny_vl_model_dir):
         assert len(s.images) == 2 and s.images[0] == p.images[0] and s.images[1].startswith("data:image/png;base64,")
         colours = {c for _, c in load_image(s.images[1]).getcolors()}
         assert vlm_shapes.COLOURS[s.label] in colours
-        assert pay1["image_data"] == [p.images[0]] and pay2["image_data"] == s.images
+        # the engine gets every image as its bytes (a data: URL), never the driver's file path
+        assert pay1["image_data"] == [inline_source(p.images[0])] and pay2["image_data"] == [
+            inline_source(x) for x in s.images]
+        assert pay1["image_data"][0].startswith("data:image/png;base64,")
+        assert image_bytes(pay1["image_data"][0]) == Path(p.images[0]).read_bytes()
         assert pay1["input_ids"] == p.input_ids and pay2["input_ids"] == p.input_ids + turn1 + env
     assert len({s.images[1] for s in samples}) == len(samples)  # a new drawing per episode
 
