@@ -93,7 +93,8 @@ def test_images_for_a_text_only_model_is_one_clear_line(tiny_model_dir, tiny_vl_
         make_args(tiny_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
     with pytest.raises(SlimeConfigError, match="--multimodal-keys .* needs --apply-chat-template"):
         make_args(tiny_vl_model_dir, tmp_path, "--multimodal-keys", json.dumps(KEYS))
-    with pytest.raises(SlimeConfigError, match="--multimodal-keys: images are served by the native and sglang engines only; --rollout-backend vllm takes none"):
+    with pytest.raises(SlimeConfigError, match="--multimodal-keys: images are served by the native and sglang "
+                                               "engines only; --rollout-backend vllm takes none"):
         make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS),
                   "--rollout-backend", "vllm")
     args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
