@@ -64,6 +64,14 @@ def validate_moe(args) -> None:
     _require(args.recompute_granularity is None or not (args.use_rollout_routing_replay or args.use_routing_replay),
              f"{given[0]} with --recompute-granularity full: the recomputed layers would route again in "
              "backward; routing replay under activation recompute is not built")
+    # megatron-core's recompute runs the layers' first forward without autograd (its reentrant
+    # checkpoint), so the router logits slime records there would carry no gradient: the HF-formula
+    # load-balancing loss would be logged but never train the routers
+    _require(not (args.train_backend == "megatron" and args.recompute_granularity and args.moe_aux_loss_coeff),
+             f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} with --recompute-granularity "
+             f"{args.recompute_granularity} on --train-backend megatron: megatron's recompute records the router "
+             "logits without gradients, so the load-balancing loss would not reach the routers; use "
+             "--train-backend fsdp or drop one of them")
     if args.use_rollout_routing_replay:
         able = [k.name for k in KINDS.values() if k.returns_routed_experts]
         _require(engine_kind(args).returns_routed_experts,

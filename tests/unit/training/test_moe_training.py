@@ -130,6 +130,9 @@ def test_load_balancing_loss_reaches_the_routers(tiny_moe_model_dir, tmp_path):
     (["--use-routing-replay", "--recompute-granularity", "full"], "routing replay under activation recompute is "
                                                                   "not built"),
     (["--moe-aux-loss-coeff", -1], "--moe-aux-loss-coeff must be >= 0"),
+    (["--moe-aux-loss-coeff", 0.01, "--recompute-granularity", "full", "--train-backend", "megatron"],
+     "--moe-aux-loss-coeff 0.01 with --recompute-granularity full on --train-backend megatron: megatron's "
+     "recompute records the router logits without gradients"),
 ])
 def test_moe_flag_errors(tiny_moe_model_dir, tmp_path, flags, message, monkeypatch):
     venv = tmp_path / "vllm_venv"  # parsing --rollout-backend vllm looks for vLLM's venv first
