@@ -66,6 +66,7 @@ class TrainRouting:
         self.enabled = self.hook.num_layers > 0
         self.aux_coef = float(aux_coef)
         self.usage: Tensor | None = None  # [L, E] routed-slot counts since the last `take_metrics`
+        self.usage_layers = self.hook.num_layers
 
     @contextlib.contextmanager
     def forward(self, routed: Sequence[Tensor | None] | None, lens: Sequence[int], packed: bool,
@@ -105,7 +106,7 @@ class TrainRouting:
         (`moe/layer_<i>/max_load`, `/experts_used`); `reduce` sums the counts over the train ranks."""
         if not self.enabled:
             return {}
-        usage = self.usage if self.usage is not None else torch.zeros(self.hook.num_layers, self.hook.num_experts)
+        usage = self.usage if self.usage is not None else torch.zeros(self.usage_layers, self.hook.num_experts)
         self.usage = None
         if reduce is not None:
             usage = reduce(usage)

@@ -32,6 +32,7 @@ one layout resumes at another (TP, PP, DP size, distributed optimizer or not).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -150,7 +151,8 @@ class MegatronBackend(StepTail):
         if args.freeze_params_name_list and not value_head:  # megatron-core's parameter names; these never train
             freeze_parameters(self.model, args.freeze_params_name_list)
         # MoE: the load-balancing loss, expert usage and routing replay of the policy's forwards
-        self.routing = moe.MegatronRouting(self.model, args.moe_aux_loss_coeff) if moe.is_moe(self.hf_config) \
+        self.routing = moe.MegatronRouting(self.model, args.moe_aux_loss_coeff, self.hf_config.num_hidden_layers) \
+            if moe.is_moe(self.hf_config) \
             else TrainRouting(self.model)
         self.last_routing = None  # what the routers used in the last policy forward (slime.training.moe)
         self.ref_model = None
@@ -165,8 +167,11 @@ class MegatronBackend(StepTail):
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
         self.seq_multiple = self.tp if args.sequence_parallel else 1  # SP splits the sequence over TP ranks
+        moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
         self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple,
-                                 scores=critic.response_values if value_head else None) if self.pp > 1 else None
+                                 scores=critic.response_values if value_head else None,
+                                 before_forward=moe_routing.real_tokens if moe_routing else None) \
+            if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self._expert_param_ids = {id(p) for c in self.chunks for n, p in c.named_parameters() if moe.is_expert(n)}
@@ -409,7 +414,8 @@ class MegatronBackend(StepTail):
         scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
-        self.pipeline.backward(self.chunks, batches, upstream)
+        with self.routing.counting() if isinstance(self.routing, moe.MegatronRouting) else contextlib.nullcontext():
+            self.pipeline.backward(self.chunks, batches, upstream)  # MoE: the usage metrics of the training pass
 
     @property
     def chunks(self) -> list:

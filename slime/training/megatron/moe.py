@@ -34,6 +34,11 @@ interface of megatron's `RouterReplay` (`get_replay_topk`, the hook megatron's t
 every router: it records the experts chosen and, when replaying, forces the given experts (a row
 of -1 keeps the router's choice). megatron's routers see tokens in (position, sample) order; the
 hook converts to and from slime's (sample, position) order.
+
+Pipeline parallelism: a stage builds its own MoE layers (whole-model names through
+weights.global_names); `MegatronRouting.counting()` counts each stage's layers' experts during the
+pipeline's training pass for the usage metrics. The load-balancing loss, routing replay and expert
+parallelism are not built with it yet (refused at parse time, slime.moe_flags).
 """
 
 from __future__ import annotations
@@ -93,9 +98,9 @@ def check_moe_config(config, tp: int, pp: int, ep: int) -> None:
     if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
         raise SlimeConfigError(f"{mt}: dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
                                "are not built on the megatron backend; use --train-backend fsdp")
-    if tp > 1 or pp > 1:
-        raise SlimeConfigError("mixture-of-experts models on --train-backend megatron: tensor and pipeline "
-                               "parallelism are not built yet (use --expert-model-parallel-size and data parallelism)")
+    if tp > 1:
+        raise SlimeConfigError("mixture-of-experts models on --train-backend megatron: tensor parallelism is not "
+                               "built yet (use --expert-model-parallel-size, pipeline and data parallelism)")
     if num_experts(config) % ep:
         raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the model's {num_experts(config)} "
                                "experts")
@@ -243,6 +248,11 @@ class MegatronRoutingHook:
     def __init__(self, model: torch.nn.Module):
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.num_layers = len(self.routers)
+        # the whole model's MoE layer of each router (every decoder layer is MoE: check_moe_config);
+        # under pipeline parallelism this rank's routers are some of them
+        self.layer_ids = [int(r.layer_number) - 1 for r in self.routers]
+        self._usage: Tensor | None = None  # counting(): [model layers, experts] routed slots
+        self._real: Tensor | None = None  # the current forward's real tokens, (position, sample) order
         self.top_k = int(self.routers[0].topk) if self.routers else 0
         self.num_experts = int(self.routers[0].config.num_moe_experts) if self.routers else 0
         self._recording: Recording | None = None
@@ -260,6 +270,9 @@ class MegatronRoutingHook:
                 rows = self._replay[:, layer]
                 replay.target = rows.reshape(b, s, -1).transpose(0, 1).reshape(s * b, -1)
             out = routing(logits, padding_mask=padding_mask)
+            if self._usage is not None and self._real is not None:
+                chosen = replay.chosen[self._real.to(replay.chosen.device)].reshape(-1)
+                self._usage[self.layer_ids[layer]] += torch.bincount(chosen, minlength=self.num_experts).cpu().float()
             if self._recording is not None:
                 idx = replay.chosen.reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
                 # (sample, position) rows by index (its backward is a contiguous gradient, as megatron's needs)
@@ -292,13 +305,42 @@ class MegatronRoutingHook:
 
 
 class MegatronRouting(TrainRouting):
-    """TrainRouting over a megatron-core model (the hook above in place of the HF one)."""
+    """TrainRouting over a megatron-core model (the hook above in place of the HF one). Under pipeline
+    parallelism a stage's routers are some of the model's layers: the usage rows are the whole
+    model's (`model_layers`), each stage counting its own in `counting()`."""
 
-    def __init__(self, model: torch.nn.Module, aux_coef: float = 0.0):
+    def __init__(self, model: torch.nn.Module, aux_coef: float = 0.0, model_layers: int | None = None):
         self.hook = MegatronRoutingHook(model)
         self.enabled = self.hook.num_layers > 0
         self.aux_coef = float(aux_coef)
         self.usage = None
+        self.usage_layers = model_layers or self.hook.num_layers
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Around a pipeline's training pass (pipeline.py's `before_forward` = `real_tokens` before each
+        micro-batch's forward): the experts of every forward's real tokens, counted per model layer
+        for the usage metrics, as `training_forward` counts them without pipeline parallelism."""
+        if not self.enabled:
+            yield
+            return
+        usage = torch.zeros(self.usage_layers, self.hook.num_experts)
+        self.hook._usage = usage
+        try:
+            yield
+        finally:
+            self.hook._usage = self.hook._real = None
+        self.usage = usage if self.usage is None else self.usage + usage
+
+    def real_tokens(self, lens: list[int], shape: tuple[int, int], filler: bool) -> None:
+        """The next forward's real tokens: `lens` of the samples in a right-padded [b, t] batch
+        (none for a filler micro-batch), as megatron's routers order them (position, sample)."""
+        b, t = shape
+        real = torch.zeros(b, t, dtype=torch.bool)
+        if not filler:
+            for i, n in enumerate(lens):
+                real[i, :n] = True
+        self.hook._real = real.t().reshape(-1)
 
 
 # ------------------------------------------------------------------ the backend's MoE steps

@@ -106,13 +106,16 @@ class Pipeline:
     """Runs micro-batches through this rank's model chunks with megatron's schedule. `scores`: what
     the last stage's output is scored as, per micro-batch, `(out, ids, prompt_lens, lens, *,
     with_entropy, entropy_grad) -> (per-sample Tensors, per-sample entropies or Nones)`; default
-    the response tokens' log-probs (and entropy) at `temperature` (the critic: its values)."""
+    the response tokens' log-probs (and entropy) at `temperature` (the critic: its values).
+    `before_forward(lens, (b, t), filler)`: called before each micro-batch's forward on each stage
+    (MoE: which of the [b, t] tokens are real, for the routers' usage counts)."""
 
     def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1,
-                 scores: Callable | None = None):
+                 scores: Callable | None = None, before_forward: Callable | None = None):
         self.device, self.vocab_size, self.temperature = device, vocab_size, temperature
         self.seq_multiple = seq_multiple
         self.score_fn = scores
+        self.before_forward = before_forward
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.vp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
 
@@ -129,6 +132,8 @@ class Pipeline:
 
         def forward_step(data_iterator, model):
             k, ids, pos, mask, prompt_lens, lens = next(data_iterator)
+            if self.before_forward is not None:
+                self.before_forward([len(t) for t in batches[k][0]], tuple(ids.shape), batches[k] is FILLER)
             out = model(ids, pos, attention_mask=mask)
             return out, functools.partial(on_logits, k, ids, prompt_lens, lens)
 
