@@ -85,7 +85,7 @@ def validate_moe(args) -> None:
 def _validate_moe_layout(args) -> None:
     """What the megatron backend does not build yet for a mixture-of-experts model: tensor parallelism,
     and with the model split over pipeline stages (each holding some of the MoE layers) the
-    load-balancing loss, routing replay and expert parallelism; one line each."""
+    load-balancing loss and expert parallelism; one line each."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     if args.train_backend != "megatron" or tp * pp == 1 or not is_moe_checkpoint(args.hf_checkpoint):
@@ -97,10 +97,6 @@ def _validate_moe_layout(args) -> None:
     for flag, on, why in (
             (f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}", bool(args.moe_aux_loss_coeff),
              "slime's load-balancing loss pools every layer's routing, and a stage sees only its own layers"),
-            ("--use-rollout-routing-replay", args.use_rollout_routing_replay,
-             "the replayed experts are not split over the stages' layers"),
-            ("--use-routing-replay", args.use_routing_replay, "the replayed experts are not split over the stages' "
-                                                              "layers"),
             (f"--expert-model-parallel-size {ep}", ep > 1, "expert and pipeline parallelism together")):
         _require(not on, f"{flag} with --pipeline-model-parallel-size {pp} on --train-backend megatron is not built "
                          f"yet ({why})")

@@ -66,7 +66,7 @@ class TrainRouting:
         self.enabled = self.hook.num_layers > 0
         self.aux_coef = float(aux_coef)
         self.usage: Tensor | None = None  # [L, E] routed-slot counts since the last `take_metrics`
-        self.usage_layers = self.hook.num_layers
+        self.model_layers = self.hook.num_layers  # rows of the usage and of the replayed experts
 
     @contextlib.contextmanager
     def forward(self, routed: Sequence[Tensor | None] | None, lens: Sequence[int], packed: bool,
@@ -77,7 +77,7 @@ class TrainRouting:
             yield None
             return
         if routed is not None:
-            rows = replay_rows(routed, lens, packed, width, self.hook.num_layers, self.hook.top_k)
+            rows = replay_rows(routed, lens, packed, width, self.model_layers, self.hook.top_k)
             with self.hook.replaying(rows) as rec:
                 yield rec
         else:
@@ -106,7 +106,7 @@ class TrainRouting:
         (`moe/layer_<i>/max_load`, `/experts_used`); `reduce` sums the counts over the train ranks."""
         if not self.enabled:
             return {}
-        usage = self.usage if self.usage is not None else torch.zeros(self.usage_layers, self.hook.num_experts)
+        usage = self.usage if self.usage is not None else torch.zeros(self.model_layers, self.hook.num_experts)
         self.usage = None
         if reduce is not None:
             usage = reduce(usage)

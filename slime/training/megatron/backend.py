@@ -170,7 +170,7 @@ class MegatronBackend(StepTail):
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
         self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple,
                                  scores=critic.response_values if value_head else None,
-                                 before_forward=moe_routing.real_tokens if moe_routing else None) \
+                                 before_forward=moe_routing.before_forward if moe_routing else None) \
             if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -284,7 +284,15 @@ class MegatronBackend(StepTail):
                                                            self.mp_group)
         if not tokens:
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device) if with_entropy else None
-        [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
+        if model is not self.model or not isinstance(self.routing, moe.MegatronRouting):
+            [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
+        else:  # MoE: replay (R2/R3) and record (R2) the policy's routing, as policy_routing does without PP
+            routed = [self._group_routed(mb)]
+            with self.routing.pipeline_pass(routed, capture=True) as captured:
+                [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
+            self.last_routing = self.routing.pipeline_recording(
+                captured, 0, self.pipeline.shape(self.pipeline.padded([(tokens, lengths)])), (s, e),
+                max(len(t) for t in mb.tokens) if mb.tokens else 0, ps.get_pipeline_model_parallel_group())
         a, b = sum(lengths[:s]), sum(lengths[:e])
         return lp[a:b], ent[a:b] if with_entropy else None
 
@@ -411,11 +419,26 @@ class MegatronBackend(StepTail):
         batches = [(tokens, lengths) for tokens, lengths, _, _ in gathered]
         if not batches:
             return
-        scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
+        moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
+        routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []))
+                  for k in range(len(batches))] if moe_routing else None
+        with moe_routing.pipeline_pass(routed) if moe_routing else contextlib.nullcontext():
+            scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
-        with self.routing.counting() if isinstance(self.routing, moe.MegatronRouting) else contextlib.nullcontext():
-            self.pipeline.backward(self.chunks, batches, upstream)  # MoE: the usage metrics of the training pass
+        # MoE: the same replay, and the usage metrics of the training pass
+        with moe_routing.pipeline_pass(routed, count=True) if moe_routing else contextlib.nullcontext():
+            self.pipeline.backward(self.chunks, batches, upstream)
+
+    def _group_routed(self, mb: MicroBatch) -> list | None:
+        """The experts to replay (R2/R3) for every sample of the pipeline group's micro-batch (the
+        ranks' micro-batches in group-rank order, as gather_group_micro_batches joins them), or None
+        when no sample has any. Collective over the group."""
+        mine = list(mb.routed_experts) if mb.routed_experts is not None else [None] * len(mb.tokens)
+        parts: list = [None] * dist.get_world_size(self.mp_group)
+        dist.all_gather_object(parts, mine, group=self.mp_group)
+        flat = [r for part in parts for r in part]
+        return flat if any(r is not None for r in flat) else None
 
     @property
     def chunks(self) -> list:

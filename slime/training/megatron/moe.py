@@ -36,8 +36,9 @@ of -1 keeps the router's choice). megatron's routers see tokens in (position, sa
 hook converts to and from slime's (sample, position) order.
 
 Pipeline parallelism: a stage builds its own MoE layers (whole-model names through
-weights.global_names); `MegatronRouting.counting()` counts each stage's layers' experts during the
-pipeline's training pass for the usage metrics. The load-balancing loss, routing replay and expert
+weights.global_names); `MegatronRouting.pipeline_pass` / `before_forward` give each micro-batch's
+forward its real tokens (usage metrics), its replayed experts (R2/R3) and keep what the routers chose
+(R2's recording, joined over the stages by `pipeline_recording`). The load-balancing loss and expert
 parallelism are not built with it yet (refused at parse time, slime.moe_flags).
 """
 
@@ -56,7 +57,7 @@ from torch import Tensor
 
 from slime.training.megatron import convert as mc
 from slime.training.megatron import shims
-from slime.training.moe import TrainRouting
+from slime.training.moe import TrainRouting, replay_rows
 from slime.utils.errors import SlimeConfigError, SlimeError
 from slime.utils.moe_routing import Recording
 
@@ -245,14 +246,18 @@ class _Replay:
 class MegatronRoutingHook:
     """slime.utils.moe_routing.RoutingHook's interface over a megatron-core model's TopKRouters."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, model_layers: int | None = None):
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.num_layers = len(self.routers)
         # the whole model's MoE layer of each router (every decoder layer is MoE: check_moe_config);
-        # under pipeline parallelism this rank's routers are some of them
+        # under pipeline parallelism this rank's routers are some of them. Replayed rows are the whole
+        # model's [tokens, model_layers, K]; each router takes its own layer's column
         self.layer_ids = [int(r.layer_number) - 1 for r in self.routers]
+        self.model_layers = model_layers or self.num_layers
         self._usage: Tensor | None = None  # counting(): [model layers, experts] routed slots
         self._real: Tensor | None = None  # the current forward's real tokens, (position, sample) order
+        self._captured: dict | None = None  # pipeline passes: (micro-batch, model layer) -> chosen
+        self._k: int | None = None  # the micro-batch of the current pipeline forward
         self.top_k = int(self.routers[0].topk) if self.routers else 0
         self.num_experts = int(self.routers[0].config.num_moe_experts) if self.routers else 0
         self._recording: Recording | None = None
@@ -267,9 +272,11 @@ class MegatronRoutingHook:
             replay = router.router_replay
             replay.target = None
             if self._replay is not None:  # slime's rows are (sample, position); megatron's (position, sample)
-                rows = self._replay[:, layer]
+                rows = self._replay[:, self.layer_ids[layer]]
                 replay.target = rows.reshape(b, s, -1).transpose(0, 1).reshape(s * b, -1)
             out = routing(logits, padding_mask=padding_mask)
+            if self._captured is not None:
+                self._captured[(self._k, self.layer_ids[layer])] = replay.chosen.detach().to(torch.int32)
             if self._usage is not None and self._real is not None:
                 chosen = replay.chosen[self._real.to(replay.chosen.device)].reshape(-1)
                 self._usage[self.layer_ids[layer]] += torch.bincount(chosen, minlength=self.num_experts).cpu().float()
@@ -293,8 +300,8 @@ class MegatronRoutingHook:
 
     @contextlib.contextmanager
     def replaying(self, indices: Tensor):
-        if indices.dim() != 3 or indices.shape[1] != self.num_layers or indices.shape[2] != self.top_k:
-            raise ValueError(f"routing replay: expected [tokens, {self.num_layers}, {self.top_k}] expert ids, "
+        if indices.dim() != 3 or indices.shape[1] != self.model_layers or indices.shape[2] != self.top_k:
+            raise ValueError(f"routing replay: expected [tokens, {self.model_layers}, {self.top_k}] expert ids, "
                              f"got {tuple(indices.shape)}")
         self._replay = indices
         try:
@@ -305,42 +312,80 @@ class MegatronRoutingHook:
 
 
 class MegatronRouting(TrainRouting):
-    """TrainRouting over a megatron-core model (the hook above in place of the HF one). Under pipeline
-    parallelism a stage's routers are some of the model's layers: the usage rows are the whole
-    model's (`model_layers`), each stage counting its own in `counting()`."""
+    """TrainRouting over a megatron-core model (the hook above in place of the HF one).
+
+    Under pipeline parallelism a stage's routers are some of the model's layers and megatron's
+    schedule runs the micro-batches' forwards in its own order, so the per-forward state is set by
+    `before_forward` (pipeline.py calls it before each micro-batch's forward on each stage) inside a
+    `pipeline_pass`: the forward's real tokens (usage counts), the experts to replay (R2/R3: every
+    sample's rows of the whole model, each router taking its own layer's) and what the routers chose
+    (R2's recording, `pipeline_recording`)."""
 
     def __init__(self, model: torch.nn.Module, aux_coef: float = 0.0, model_layers: int | None = None):
-        self.hook = MegatronRoutingHook(model)
+        self.hook = MegatronRoutingHook(model, model_layers)
         self.enabled = self.hook.num_layers > 0
         self.aux_coef = float(aux_coef)
         self.usage = None
-        self.usage_layers = model_layers or self.hook.num_layers
+        self.model_layers = self.hook.model_layers
+        self._routed: list[list | None] | None = None  # the pass's micro-batches' samples' experts to replay
 
     @contextlib.contextmanager
-    def counting(self):
-        """Around a pipeline's training pass (pipeline.py's `before_forward` = `real_tokens` before each
-        micro-batch's forward): the experts of every forward's real tokens, counted per model layer
-        for the usage metrics, as `training_forward` counts them without pipeline parallelism."""
+    def pipeline_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False):
+        """Around one pipeline pass. `routed[k]`: the experts to replay for each sample of micro-batch k
+        (Tensor[<= T_i - 1, L, K] or None each), or None; `count`: the usage metrics of a training
+        pass; `capture`: keep what the routers chose (yields {(k, model layer): chosen, in megatron's
+        (position, sample) order})."""
         if not self.enabled:
-            yield
+            yield {}
             return
-        usage = torch.zeros(self.usage_layers, self.hook.num_experts)
-        self.hook._usage = usage
+        usage = torch.zeros(self.model_layers, self.hook.num_experts) if count else None
+        captured: dict = {}
+        self._routed = routed
+        self.hook._usage, self.hook._captured = usage, (captured if capture else None)
         try:
-            yield
+            yield captured
         finally:
-            self.hook._usage = self.hook._real = None
-        self.usage = usage if self.usage is None else self.usage + usage
+            self._routed = None
+            self.hook._usage = self.hook._real = self.hook._replay = self.hook._captured = None
+            self.hook._k = None
+        if usage is not None:
+            self.usage = usage if self.usage is None else self.usage + usage
 
-    def real_tokens(self, lens: list[int], shape: tuple[int, int], filler: bool) -> None:
-        """The next forward's real tokens: `lens` of the samples in a right-padded [b, t] batch
-        (none for a filler micro-batch), as megatron's routers order them (position, sample)."""
+    def before_forward(self, k: int, lens: list[int], shape: tuple[int, int], filler: bool) -> None:
+        """Micro-batch k's forward is next: `lens` of its samples in a right-padded [b, t] batch (none
+        for a filler micro-batch)."""
         b, t = shape
         real = torch.zeros(b, t, dtype=torch.bool)
         if not filler:
             for i, n in enumerate(lens):
                 real[i, :n] = True
-        self.hook._real = real.t().reshape(-1)
+        self.hook._real = real.t().reshape(-1)  # megatron's routers see (position, sample)
+        self.hook._k = k
+        self.hook._replay = None
+        routed = self._routed[k] if self._routed is not None and not filler and k < len(self._routed) else None
+        if routed is not None and any(r is not None for r in routed):
+            rows = replay_rows(routed, lens, False, t, self.model_layers, self.hook.top_k)
+            pad = torch.full((b * t - rows.shape[0], self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
+            self.hook._replay = torch.cat([rows, pad])
+
+    def pipeline_recording(self, captured: dict, k: int, shape: tuple[int, int], own: tuple[int, int],
+                           width: int, group) -> Recording:
+        """What every layer's router chose for micro-batch k of a pass (`captured`), as a Recording of
+        this rank's samples `own` = [s, e) of the micro-batch padded to `width` tokens, in slime's
+        (sample, position) order; the stages' layers joined over the pipeline `group`. Collective."""
+        b, t = shape
+        full = torch.full((t, b, self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
+        for (kk, layer), chosen in captured.items():
+            if kk == k:
+                full[:, :, layer] = chosen.cpu().reshape(t, b, -1)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
+        s, e = own
+        mine = full.transpose(0, 1)[s:e, :width].reshape((e - s) * width, self.model_layers, -1)
+        rec = Recording()
+        for layer in range(self.model_layers):
+            rec._add(layer, mine[:, layer].contiguous(), torch.empty(0))
+        return rec
 
 
 # ------------------------------------------------------------------ the backend's MoE steps

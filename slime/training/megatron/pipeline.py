@@ -107,8 +107,8 @@ class Pipeline:
     the last stage's output is scored as, per micro-batch, `(out, ids, prompt_lens, lens, *,
     with_entropy, entropy_grad) -> (per-sample Tensors, per-sample entropies or Nones)`; default
     the response tokens' log-probs (and entropy) at `temperature` (the critic: its values).
-    `before_forward(lens, (b, t), filler)`: called before each micro-batch's forward on each stage
-    (MoE: which of the [b, t] tokens are real, for the routers' usage counts)."""
+    `before_forward(k, lens, (b, t), filler)`: called before micro-batch k's forward on each stage
+    (MoE: which of the [b, t] tokens are real and which experts to replay; moe.MegatronRouting)."""
 
     def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1,
                  scores: Callable | None = None, before_forward: Callable | None = None):
@@ -125,15 +125,19 @@ class Pipeline:
             return batches
         return batches + [FILLER] * (self.pp - len(batches) % self.pp)
 
-    def _run(self, chunks, batches: list[GroupBatch], on_logits: Callable, forward_only: bool) -> None:
+    def shape(self, batches: list[GroupBatch]) -> tuple[int, int]:
+        """The [samples, tokens] every micro-batch of a pass is padded to (`padded(batches)`'s)."""
         m = self.seq_multiple
-        shape = (max(len(toks) for toks, _ in batches), -(-max(len(t) for toks, _ in batches for t in toks) // m) * m)
+        return max(len(toks) for toks, _ in batches), -(-max(len(t) for toks, _ in batches for t in toks) // m) * m
+
+    def _run(self, chunks, batches: list[GroupBatch], on_logits: Callable, forward_only: bool) -> None:
+        shape = self.shape(batches)
         inputs = [(k, *batch_inputs(toks, lens, self.device, shape), lens) for k, (toks, lens) in enumerate(batches)]
 
         def forward_step(data_iterator, model):
             k, ids, pos, mask, prompt_lens, lens = next(data_iterator)
             if self.before_forward is not None:
-                self.before_forward([len(t) for t in batches[k][0]], tuple(ids.shape), batches[k] is FILLER)
+                self.before_forward(k, [len(t) for t in batches[k][0]], tuple(ids.shape), batches[k] is FILLER)
             out = model(ids, pos, attention_mask=mask)
             return out, functools.partial(on_logits, k, ids, prompt_lens, lens)
 
