@@ -84,8 +84,7 @@ def validate_moe(args) -> None:
 
 def _validate_moe_layout(args) -> None:
     """What the megatron backend does not build yet for a mixture-of-experts model: tensor parallelism,
-    and with the model split over pipeline stages (each holding some of the MoE layers) the
-    load-balancing loss and expert parallelism; one line each."""
+    and expert parallelism together with pipeline parallelism; one line each."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     if args.train_backend != "megatron" or tp * pp == 1 or not is_moe_checkpoint(args.hf_checkpoint):
@@ -94,9 +93,6 @@ def _validate_moe_layout(args) -> None:
                       "do not build tensor parallelism yet (use --expert-model-parallel-size, pipeline and data "
                       "parallelism)")
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
-    for flag, on, why in (
-            (f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff}", bool(args.moe_aux_loss_coeff),
-             "slime's load-balancing loss pools every layer's routing, and a stage sees only its own layers"),
-            (f"--expert-model-parallel-size {ep}", ep > 1, "expert and pipeline parallelism together")):
-        _require(not on, f"{flag} with --pipeline-model-parallel-size {pp} on --train-backend megatron is not built "
-                         f"yet ({why})")
+    _require(ep == 1 or pp == 1, f"--expert-model-parallel-size {ep} with --pipeline-model-parallel-size {pp} on "
+                                 "--train-backend megatron is not built yet (expert and pipeline parallelism "
+                                 "together)")

@@ -288,10 +288,10 @@ class MegatronBackend(StepTail):
             [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
         else:  # MoE: replay (R2/R3) and record (R2) the policy's routing, as policy_routing does without PP
             routed = [self._group_routed(mb)]
-            with self.routing.pipeline_pass(routed, capture=True) as captured:
+            with self.routing.pipeline_pass(routed, capture=True) as routing_pass:
                 [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
             self.last_routing = self.routing.pipeline_recording(
-                captured, 0, self.pipeline.shape(self.pipeline.padded([(tokens, lengths)])), (s, e),
+                routing_pass, 0, self.pipeline.shape(self.pipeline.padded([(tokens, lengths)])), (s, e),
                 max(len(t) for t in mb.tokens) if mb.tokens else 0, ps.get_pipeline_model_parallel_group())
         a, b = sum(lengths[:s]), sum(lengths[:e])
         return lp[a:b], ent[a:b] if with_entropy else None
@@ -422,12 +422,18 @@ class MegatronBackend(StepTail):
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
         routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []))
                   for k in range(len(batches))] if moe_routing else None
-        with moe_routing.pipeline_pass(routed) if moe_routing else contextlib.nullcontext():
+        aux = moe_routing is not None and moe_routing.aux_coef > 0
+        with moe_routing.pipeline_pass(routed, aux_counts=aux) if moe_routing else contextlib.nullcontext() as rp:
             scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
-        # MoE: the same replay, and the usage metrics of the training pass
-        with moe_routing.pipeline_pass(routed, count=True) if moe_routing else contextlib.nullcontext():
+        # --moe-aux-loss-coeff: the mean over the micro-batches, as without PP (x pp: the backend divides
+        # every gradient by the world size, and one pipeline micro-batch holds its pp ranks' samples)
+        aux_terms = moe_routing.pipeline_aux(rp, batches, self.pp / len(batches),
+                                             ps.get_pipeline_model_parallel_group()) if aux else None
+        # MoE: the same replay, the load-balancing loss and the usage metrics of the training pass
+        with moe_routing.pipeline_pass(routed, count=True, aux=aux_terms) if moe_routing \
+                else contextlib.nullcontext():
             self.pipeline.backward(self.chunks, batches, upstream)
 
     def _group_routed(self, mb: MicroBatch) -> list | None:

@@ -38,8 +38,9 @@ hook converts to and from slime's (sample, position) order.
 Pipeline parallelism: a stage builds its own MoE layers (whole-model names through
 weights.global_names); `MegatronRouting.pipeline_pass` / `before_forward` give each micro-batch's
 forward its real tokens (usage metrics), its replayed experts (R2/R3) and keep what the routers chose
-(R2's recording, joined over the stages by `pipeline_recording`). The load-balancing loss and expert
-parallelism are not built with it yet (refused at parse time, slime.moe_flags).
+(R2's recording, joined over the stages by `pipeline_recording`) and attach each layer's share of
+the load-balancing loss (`pipeline_aux`). Expert parallelism is not built with it yet (refused at
+parse time, slime.moe_flags).
 """
 
 from __future__ import annotations
@@ -243,6 +244,21 @@ class _Replay:
         return vals, idx
 
 
+class _AttachLoss(torch.autograd.Function):
+    """`out` unchanged; in backward `loss` gets gradient 1 (megatron's MoEAuxLossAutoScaler without its
+    global scale): a loss term joins the backward of the tensor it is attached to."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor) -> Tensor:
+        ctx.save_for_backward(loss)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
 class MegatronRoutingHook:
     """slime.utils.moe_routing.RoutingHook's interface over a megatron-core model's TopKRouters."""
 
@@ -258,6 +274,8 @@ class MegatronRoutingHook:
         self._real: Tensor | None = None  # the current forward's real tokens, (position, sample) order
         self._captured: dict | None = None  # pipeline passes: (micro-batch, model layer) -> chosen
         self._k: int | None = None  # the micro-batch of the current pipeline forward
+        self._aux_counts: dict | None = None  # pipeline: micro-batch -> [E] slots routed to each expert
+        self._aux: tuple | None = None  # pipeline: (counts [n, E], real tokens [n], coefficient) to attach
         self.top_k = int(self.routers[0].topk) if self.routers else 0
         self.num_experts = int(self.routers[0].config.num_moe_experts) if self.routers else 0
         self._recording: Recording | None = None
@@ -277,9 +295,15 @@ class MegatronRoutingHook:
             out = routing(logits, padding_mask=padding_mask)
             if self._captured is not None:
                 self._captured[(self._k, self.layer_ids[layer])] = replay.chosen.detach().to(torch.int32)
-            if self._usage is not None and self._real is not None:
+            if self._real is not None and (self._usage is not None or self._aux_counts is not None):
                 chosen = replay.chosen[self._real.to(replay.chosen.device)].reshape(-1)
-                self._usage[self.layer_ids[layer]] += torch.bincount(chosen, minlength=self.num_experts).cpu().float()
+                counts = torch.bincount(chosen, minlength=self.num_experts).cpu().float()
+                if self._usage is not None:
+                    self._usage[self.layer_ids[layer]] += counts
+                if self._aux_counts is not None:
+                    self._aux_counts[self._k] = self._aux_counts.get(self._k, 0) + counts
+            if self._aux is not None and self._real is not None and self._real.any():
+                out = (_AttachLoss.apply(out[0], self._stage_aux_term(logits)), *out[1:])
             if self._recording is not None:
                 idx = replay.chosen.reshape(s, b, -1).transpose(0, 1).reshape(b * s, -1)
                 # (sample, position) rows by index (its backward is a contiguous gradient, as megatron's needs)
@@ -289,6 +313,14 @@ class MegatronRoutingHook:
             replay.target = replay.chosen = None
             return out
         return wrapped
+
+    def _stage_aux_term(self, logits: Tensor) -> Tensor:
+        """This layer's share of the current micro-batch's load-balancing loss (see MegatronRouting)."""
+        counts, tokens, coef = self._aux
+        real = self._real.to(logits.device)
+        probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)[real]  # [T, E]
+        n = self.model_layers * float(tokens[self._k])
+        return coef * self.num_experts / (n * n) * (probs.sum(dim=0) * counts[self._k].to(probs.device)).sum()
 
     @contextlib.contextmanager
     def recording(self):
@@ -311,6 +343,13 @@ class MegatronRoutingHook:
             self._replay = None
 
 
+@dataclasses.dataclass
+class _PipelinePass:
+    """What the routers left in one pipeline pass (MegatronRouting.pipeline_pass)."""
+    captured: dict = dataclasses.field(default_factory=dict)  # (micro-batch, model layer) -> chosen
+    aux_counts: dict = dataclasses.field(default_factory=dict)  # micro-batch -> [E] routed slots, this stage
+
+
 class MegatronRouting(TrainRouting):
     """TrainRouting over a megatron-core model (the hook above in place of the HF one).
 
@@ -330,26 +369,49 @@ class MegatronRouting(TrainRouting):
         self._routed: list[list | None] | None = None  # the pass's micro-batches' samples' experts to replay
 
     @contextlib.contextmanager
-    def pipeline_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False):
+    def pipeline_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False,
+                      aux_counts: bool = False, aux: tuple | None = None):
         """Around one pipeline pass. `routed[k]`: the experts to replay for each sample of micro-batch k
         (Tensor[<= T_i - 1, L, K] or None each), or None; `count`: the usage metrics of a training
-        pass; `capture`: keep what the routers chose (yields {(k, model layer): chosen, in megatron's
-        (position, sample) order})."""
+        pass; `capture`: keep what the routers chose (the yielded pass's `captured`: {(k, model
+        layer): chosen, in megatron's (position, sample) order}); `aux_counts`: count each micro-batch's
+        routed slots over this stage's layers (the pass's `aux_counts`, for `pipeline_aux`); `aux`:
+        attach each layer's share of the load-balancing loss (`pipeline_aux`'s result)."""
+        state = _PipelinePass()
         if not self.enabled:
-            yield {}
+            yield state
             return
         usage = torch.zeros(self.model_layers, self.hook.num_experts) if count else None
-        captured: dict = {}
         self._routed = routed
-        self.hook._usage, self.hook._captured = usage, (captured if capture else None)
+        self.hook._usage, self.hook._aux = usage, aux
+        self.hook._captured = state.captured if capture else None
+        self.hook._aux_counts = state.aux_counts if aux_counts else None
         try:
-            yield captured
+            yield state
         finally:
             self._routed = None
             self.hook._usage = self.hook._real = self.hook._replay = self.hook._captured = None
-            self.hook._k = None
+            self.hook._k = self.hook._aux_counts = self.hook._aux = None
         if usage is not None:
             self.usage = usage if self.usage is None else self.usage + usage
+
+    def pipeline_aux(self, state: "_PipelinePass", batches: list, scale: float, group) -> tuple | None:
+        """The load-balancing loss of a pipeline training pass, per micro-batch k (the HF formula over
+        its real tokens and every MoE layer, as `training_forward` without pipeline parallelism):
+        `E * sum_e f_e P_e` = `E / (L T)^2 * sum_e count_e * sum_(l, t) p_lte` with count_e the slots
+        routed to e over all layers - known once every stage has run k (`state.aux_counts`, summed
+        over the pipeline `group`) - and linear in each layer's probabilities. So each stage's
+        routers add their layers' terms, attached to their outputs (`pipeline_pass(aux=...)`) in the
+        forward of the training pass, which routes as the pass that counted. `scale` multiplies the
+        coefficient (the backend's mean over micro-batches). Collective over `group`."""
+        if not self.enabled or self.aux_coef == 0:
+            return None
+        n = len(batches)
+        counts = torch.stack([state.aux_counts.get(k, torch.zeros(self.hook.num_experts)) for k in range(n)])
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        tokens = torch.tensor([sum(len(t) for t in toks) for toks, _ in batches], dtype=torch.float64)
+        return counts, tokens, self.aux_coef * scale
 
     def before_forward(self, k: int, lens: list[int], shape: tuple[int, int], filler: bool) -> None:
         """Micro-batch k's forward is next: `lens` of its samples in a right-padded [b, t] batch (none
@@ -368,14 +430,14 @@ class MegatronRouting(TrainRouting):
             pad = torch.full((b * t - rows.shape[0], self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
             self.hook._replay = torch.cat([rows, pad])
 
-    def pipeline_recording(self, captured: dict, k: int, shape: tuple[int, int], own: tuple[int, int],
+    def pipeline_recording(self, state: _PipelinePass, k: int, shape: tuple[int, int], own: tuple[int, int],
                            width: int, group) -> Recording:
-        """What every layer's router chose for micro-batch k of a pass (`captured`), as a Recording of
+        """What every layer's router chose for micro-batch k of a pass (`state`), as a Recording of
         this rank's samples `own` = [s, e) of the micro-batch padded to `width` tokens, in slime's
         (sample, position) order; the stages' layers joined over the pipeline `group`. Collective."""
         b, t = shape
         full = torch.full((t, b, self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
-        for (kk, layer), chosen in captured.items():
+        for (kk, layer), chosen in state.captured.items():
             if kk == k:
                 full[:, :, layer] = chosen.cpu().reshape(t, b, -1)
         if dist.get_world_size(group) > 1:

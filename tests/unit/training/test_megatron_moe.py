@@ -123,8 +123,6 @@ PP2 = ["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2]
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([*PP2, "--moe-aux-loss-coeff", 0.01], "--moe-aux-loss-coeff 0.01 with --pipeline-model-parallel-size 2 on "
-                                           "--train-backend megatron is not built yet"),
     ([*PP2, "--expert-model-parallel-size", 2, "--actor-num-gpus-per-node", 4],
      "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 .* not built yet \\(expert and pipeline"),
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
@@ -227,25 +225,31 @@ def _random_routes(batch, layers=2, top_k=2, experts=4, seed=5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replay", ["none", "r3", "r2"])
+@pytest.mark.parametrize("replay", ["none", "r3", "r2", "aux"])
 def test_pipeline_parallel_matches_one_rank(replay, moe_dirs, tmp_path, ray_session):
     """PP 2 on the tiny Qwen3-MoE (one MoE layer per stage, 1F1B) against one rank: the same metrics
     (each layer's expert usage counted by its stage), HF-named weights and AdamW state after two steps.
     Without replay the PP 2 checkpoint loads at one rank exactly. R3: random experts given for every
     token are replayed by each stage's layers (the trainer's log-probs move far from the rollout's). R2:
     the old-policy forward's routing, joined over the stages, is replayed by each rollout's second step
-    (where it differs from the routers' own choice: the loss is not the unreplayed run's)."""
+    (where it differs from the routers' own choice: the loss is not the unreplayed run's). The
+    load-balancing loss: each stage adds its layers' share, with the micro-batch's expert counts of
+    every layer (the router weights are not the run's without it)."""
     import ray
 
     from slime.ray.actor_group import TrainGroup
 
     model_dir = moe_dirs["qwen3_moe"]
     batch = synthetic_batch(model_dir, 8, seed=23)
-    flags = {"none": [], "r3": ["--use-rollout-routing-replay"], "r2": ["--use-routing-replay"]}[replay]
+    flags = {"none": [], "r3": ["--use-rollout-routing-replay"], "r2": ["--use-routing-replay"],
+             "aux": ["--moe-aux-loss-coeff", 0.1]}[replay]
     if replay == "r3":
         batch.routed_experts = _random_routes(batch)
-    layouts = {"pp2": (2, ["--pipeline-model-parallel-size", 2, *flags], 1), "one": (1, flags, 4)}
-    if replay == "r2":
+    # the load-balancing loss is one formula over a micro-batch's tokens: the pipeline's micro-batch
+    # (the two stages' ranks' samples together) must be the one rank's (4 samples)
+    layouts = {"pp2": (2, ["--pipeline-model-parallel-size", 2, *flags], 2 if replay == "aux" else 1),
+               "one": (1, flags, 4)}
+    if replay in ("r2", "aux"):
         layouts["one_unreplayed"] = (1, [], 4)
     results = {}
     for name, (ranks, layout_flags, mbs) in layouts.items():
@@ -280,6 +284,10 @@ def test_pipeline_parallel_matches_one_rank(replay, moe_dirs, tmp_path, ray_sess
     if replay == "r2":  # a rollout's second step replays the first's routing, not the routers' own choice
         free = results["one_unreplayed"][0]
         assert free[0]["train/loss"] != pytest.approx(m1[0]["train/loss"], rel=1e-4)
+    if replay == "aux":  # the load-balancing loss moved the routers
+        free = results["one_unreplayed"][1][0]
+        router = "model.layers.0.mlp.gate.weight"
+        assert (free[router] - s1[router]).abs().max() > 1e-4
     if replay == "none":
         s_loaded, o_loaded = results["loaded"]
         assert_states_close(s_loaded, s2, atol=0)
