@@ -126,14 +126,16 @@ class MegatronBackend(StepTail):
         self.layout = PipelineLayout.from_args(args, self.hf_config.num_hidden_layers)
         self.layout.check(self.hf_config.num_hidden_layers)
         # mixture of experts: megatron's MoE layers, --expert-model-parallel-size (moe.py)
-        self.ep = args.expert_model_parallel_size if moe.is_moe(self.hf_config) else 1
+        self.moe = moe.is_moe(self.hf_config)
+        self.ep = args.expert_model_parallel_size if self.moe else 1
         if moe.is_moe(self.hf_config):
             moe.check_moe_args(args, self.hf_config, self.tp, self.pp, self.ep, world_size)
         self._owns_mp = not ps.model_parallel_is_initialized()
         if self._owns_mp:
             ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                                          virtual_pipeline_model_parallel_size=self.layout.vp
-                                         if self.layout.vp > 1 else None, expert_model_parallel_size=self.ep)
+                                         if self.layout.vp > 1 else None, expert_model_parallel_size=self.ep,
+                                         expert_tensor_parallel_size=1)  # MoE: experts whole on every TP rank
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: one pipeline over the group's samples
@@ -186,7 +188,7 @@ class MegatronBackend(StepTail):
     def _replica_group(self, p: Tensor):
         """The group `p` is replicated over (its gradient is all-reduced over it): the expert-data-parallel
         group for an expert's weights under expert parallelism, the data-parallel group otherwise."""
-        if self.ep > 1 and id(p) in self._expert_param_ids:
+        if self.moe and id(p) in self._expert_param_ids:
             return ps.get_expert_data_parallel_group()
         return self.dp_group
 
@@ -272,12 +274,38 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
-        with torch.set_grad_enabled(grad and not ref), moe.policy_routing(self, model, mb):
-            lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
-                                      entropy_grad=entropy_grad and grad)
+        if self.tp > 1 and model is self.model and self._moe_routing():  # MoE under TP + SP
+            with torch.set_grad_enabled(grad and not ref):
+                lps, ents, _ = self._routed_tp_forward(mb, tokens, lengths, s, e, with_entropy=with_entropy,
+                                                       entropy_grad=entropy_grad and grad)
+        else:
+            with torch.set_grad_enabled(grad and not ref), moe.policy_routing(self, model, mb):
+                lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
+                                          entropy_grad=entropy_grad and grad)
         lp = torch.cat(lps[s:e]) if e > s else torch.zeros(0, device=self.device)
         ent = (torch.cat(ents[s:e]) if e > s else torch.zeros(0, device=self.device)) if with_entropy else None
         return lp, ent
+
+    def _moe_routing(self) -> "moe.MegatronRouting | None":
+        return self.routing if isinstance(self.routing, moe.MegatronRouting) and self.routing.enabled else None
+
+    def _routed_tp_forward(self, mb: MicroBatch, tokens, lengths, s: int, e: int, *, with_entropy: bool,
+                           entropy_grad: bool, count: bool = False, aux_scale: float | None = None):
+        """The policy's forward of the TP group's micro-batch (MoE under TP + sequence parallelism: each
+        TP rank's routers see their part of the sequence): the group's experts replayed (R2/R3), the
+        routing recorded (`last_routing`, this rank's samples, R2), with `count` the usage metrics, with
+        `aux_scale` the load-balancing loss term of this rank's tokens (else None). Collective over TP."""
+        routing = self._moe_routing()
+        routed = [self._group_routed(mb, self.tp_group)]
+        shape = (len(tokens), -(-max(len(t) for t in tokens) // self.seq_multiple) * self.seq_multiple)
+        with routing.pipeline_pass(routed, count=count, capture=True, aux_logits=aux_scale is not None) as rp:
+            routing.before_forward(0, [len(t) for t in tokens], shape, False)
+            lps, ents = self._forward(self.model, tokens, lengths, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        self.last_routing = routing.pipeline_recording(rp, 0, shape, (s, e), max((len(t) for t in mb.tokens),
+                                                                                 default=0), self.tp_group)
+        aux = routing.local_aux_term(rp, 0, sum(len(t) for t in tokens), aux_scale, self.tp_group) \
+            if aux_scale is not None else None
+        return lps, ents, aux
 
     def _pipeline_logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         tokens, lengths, s, e = gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
@@ -287,7 +315,7 @@ class MegatronBackend(StepTail):
         if model is not self.model or not isinstance(self.routing, moe.MegatronRouting):
             [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
         else:  # MoE: replay (R2/R3) and record (R2) the policy's routing, as policy_routing does without PP
-            routed = [self._group_routed(mb)]
+            routed = [self._group_routed(mb, self.mp_group)]
             with self.routing.pipeline_pass(routed, capture=True) as routing_pass:
                 [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
             self.last_routing = self.routing.pipeline_recording(
@@ -363,15 +391,23 @@ class MegatronBackend(StepTail):
                 with shims.cpu_only_cuda_shims():  # the expert-parallel all-to-all's backward names the CUDA device
                     loss.backward()
                 continue
-            self._tp_backward(k, mb, loss_fn, entropy_grad, own=k < n_local)
+            self._tp_backward(k, mb, loss_fn, entropy_grad, own=k < n_local, n_group=self._group_max(n_local, group))
         return self._finish_step()
 
-    def _tp_backward(self, k, mb, loss_fn, entropy_grad: bool, own: bool) -> None:
+    def _tp_backward(self, k, mb, loss_fn, entropy_grad: bool, own: bool, n_group: int) -> None:
         """One micro-batch under TP: one forward over the TP group's samples; the upstream gradient
-        is the sum of every TP rank's d loss / d log-probs (and entropy) over its own slice."""
+        is the sum of every TP rank's d loss / d log-probs (and entropy) over its own slice. MoE: the
+        load-balancing loss, the mean over the group's `n_group` micro-batches as without TP (x tp:
+        every gradient is divided by the world size, and the group's micro-batch holds its tp ranks'
+        samples), each TP rank's term over its part of the sequence."""
         tokens, lengths, s, e = self._gather_tp(mb)
+        aux = None
         if self.value_head:  # the critic: values in place of log-probs, no entropy
             lps, ents = self._values(self.model, tokens, lengths), None
+        elif self._moe_routing() and tokens:
+            scale = self.tp / n_group if self.routing.aux_coef > 0 else None
+            lps, ents, aux = self._routed_tp_forward(mb, tokens, lengths, s, e, with_entropy=True,
+                                                     entropy_grad=entropy_grad, count=True, aux_scale=scale)
         else:
             lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
         if not lps:
@@ -382,6 +418,9 @@ class MegatronBackend(StepTail):
         if entropy_grad:
             outputs.append(ent_all)
             upstream.append(g_ent.to(ent_all.dtype))
+        if aux is not None:
+            outputs.append(aux)
+            upstream.append(torch.ones_like(aux))
         with shims.cpu_only_cuda_shims():  # the sequence-parallel layers' backward names the CUDA device
             torch.autograd.backward(outputs, upstream)
 
@@ -420,7 +459,7 @@ class MegatronBackend(StepTail):
         if not batches:
             return
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
-        routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []))
+        routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []), self.mp_group)
                   for k in range(len(batches))] if moe_routing else None
         aux = moe_routing is not None and moe_routing.aux_coef > 0
         with moe_routing.pipeline_pass(routed, aux_counts=aux) if moe_routing else contextlib.nullcontext() as rp:
@@ -436,13 +475,13 @@ class MegatronBackend(StepTail):
                 else contextlib.nullcontext():
             self.pipeline.backward(self.chunks, batches, upstream)
 
-    def _group_routed(self, mb: MicroBatch) -> list | None:
-        """The experts to replay (R2/R3) for every sample of the pipeline group's micro-batch (the
-        ranks' micro-batches in group-rank order, as gather_group_micro_batches joins them), or None
-        when no sample has any. Collective over the group."""
+    def _group_routed(self, mb: MicroBatch, group) -> list | None:
+        """The experts to replay (R2/R3) for every sample of the group's micro-batch (the ranks'
+        micro-batches in group-rank order, as gather_group_micro_batches and _gather_tp join them), or
+        None when no sample has any. Collective over the group."""
         mine = list(mb.routed_experts) if mb.routed_experts is not None else [None] * len(mb.tokens)
-        parts: list = [None] * dist.get_world_size(self.mp_group)
-        dist.all_gather_object(parts, mine, group=self.mp_group)
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
         flat = [r for part in parts for r in part]
         return flat if any(r is not None for r in flat) else None
 
@@ -467,8 +506,9 @@ class MegatronBackend(StepTail):
                 if "q_layernorm" in name or "k_layernorm" in name or getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=self.tp_group)
         # MoE experts: each EP rank holds its own, reduced over the expert-data-parallel group (the ranks
-        # holding the same experts); their gradients already carry every EP rank's tokens (the all-to-all)
-        edp = ps.get_expert_data_parallel_group() if self.ep > 1 else self.dp_group
+        # holding the same experts: under TP + SP every TP rank, each having routed its own part of the
+        # sequence); their gradients already carry every EP rank's tokens (the all-to-all)
+        edp = ps.get_expert_data_parallel_group() if self.moe else self.dp_group
         for name, p in named:
             group = edp if moe.is_expert(name) else self.dp_group
             if dist.get_world_size(group) > 1:

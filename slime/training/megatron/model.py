@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from slime.training.megatron import convert as mc
@@ -121,7 +122,7 @@ def _sequence_parallel_block(spec, tconf, vp_stage):
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     attention = spec.submodules.self_attention.submodules
-    if attention.q_layernorm is not None:
+    if attention.q_layernorm not in (None, IdentityOp):  # q/k norms (Qwen3); megatron's no-op otherwise
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconf, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelRMSNorm)
@@ -133,7 +134,9 @@ def _mark_tensor_parallel(model) -> None:
     megatron-core sets them while it initializes a weight; with `use_cpu_initialization` and
     `perform_initialization=False` (every weight comes from the HF checkpoint) it skips that, so
     the attributes that gradient-norm bookkeeping (`param_is_not_tensor_parallel_duplicate`) and
-    our sharding (weights.py) read would be missing. Same values megatron would set."""
+    our sharding (weights.py) read would be missing. Same values megatron would set, except that
+    an MoE expert's linear layers are marked whole (not TP-split): slime builds experts with expert
+    tensor parallelism 1, so under TP every rank holds each of its experts entirely."""
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
@@ -143,4 +146,6 @@ def _mark_tensor_parallel(model) -> None:
             continue
         w = getattr(m, "weight", None)
         if w is not None and not hasattr(w, "tensor_model_parallel"):
-            set_tensor_model_parallel_attributes(w, True, dim, 1)
+            # MoE experts: expert tensor parallelism is 1 (moe.py), every TP rank holds them whole
+            expert = getattr(m, "is_expert", False)
+            set_tensor_model_parallel_attributes(w, not expert, dim if not expert else -1, 1)

@@ -41,6 +41,11 @@ forward its real tokens (usage metrics), its replayed experts (R2/R3) and keep w
 (R2's recording, joined over the stages by `pipeline_recording`) and attach each layer's share of
 the load-balancing loss (`pipeline_aux`). Expert parallelism is not built with it yet (refused at
 parse time, slime.moe_flags).
+
+Tensor parallelism (with sequence parallelism, which megatron's MoE layers require): experts are
+built with expert tensor parallelism 1, whole on every TP rank, each routing its part of the sequence
+(`MegatronRoutingHook.sp_rank`); the same per-forward state covers the TP group's micro-batch, sliced
+to the rank's positions, and `local_aux_term` gives the rank's share of the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -100,9 +105,6 @@ def check_moe_config(config, tp: int, pp: int, ep: int) -> None:
     if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
         raise SlimeConfigError(f"{mt}: dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
                                "are not built on the megatron backend; use --train-backend fsdp")
-    if tp > 1:
-        raise SlimeConfigError("mixture-of-experts models on --train-backend megatron: tensor parallelism is not "
-                               "built yet (use --expert-model-parallel-size, pipeline and data parallelism)")
     if num_experts(config) % ep:
         raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the model's {num_experts(config)} "
                                "experts")
@@ -276,6 +278,11 @@ class MegatronRoutingHook:
         self._k: int | None = None  # the micro-batch of the current pipeline forward
         self._aux_counts: dict | None = None  # pipeline: micro-batch -> [E] slots routed to each expert
         self._aux: tuple | None = None  # pipeline: (counts [n, E], real tokens [n], coefficient) to attach
+        self._aux_logits: dict | None = None  # TP: (micro-batch, model layer) -> (router logits, real tokens)
+        # sequence parallelism: this TP rank's routers see positions [rank * t / size, (rank + 1) * t / size)
+        sp = bool(self.routers) and self.routers[0].config.sequence_parallel
+        self.sp_size = ps.get_tensor_model_parallel_world_size() if sp else 1
+        self.sp_rank = ps.get_tensor_model_parallel_rank() if sp else 0
         self.top_k = int(self.routers[0].topk) if self.routers else 0
         self.num_experts = int(self.routers[0].config.num_moe_experts) if self.routers else 0
         self._recording: Recording | None = None
@@ -302,6 +309,8 @@ class MegatronRoutingHook:
                     self._usage[self.layer_ids[layer]] += counts
                 if self._aux_counts is not None:
                     self._aux_counts[self._k] = self._aux_counts.get(self._k, 0) + counts
+            if self._aux_logits is not None and self._real is not None:
+                self._aux_logits[(self._k, self.layer_ids[layer])] = (logits.reshape(s * b, -1), self._real)
             if self._aux is not None and self._real is not None and self._real.any():
                 out = (_AttachLoss.apply(out[0], self._stage_aux_term(logits)), *out[1:])
             if self._recording is not None:
@@ -348,6 +357,7 @@ class _PipelinePass:
     """What the routers left in one pipeline pass (MegatronRouting.pipeline_pass)."""
     captured: dict = dataclasses.field(default_factory=dict)  # (micro-batch, model layer) -> chosen
     aux_counts: dict = dataclasses.field(default_factory=dict)  # micro-batch -> [E] routed slots, this stage
+    aux_logits: dict = dataclasses.field(default_factory=dict)  # (micro-batch, layer) -> (logits, real tokens)
 
 
 class MegatronRouting(TrainRouting):
@@ -370,13 +380,14 @@ class MegatronRouting(TrainRouting):
 
     @contextlib.contextmanager
     def pipeline_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False,
-                      aux_counts: bool = False, aux: tuple | None = None):
+                      aux_counts: bool = False, aux: tuple | None = None, aux_logits: bool = False):
         """Around one pipeline pass. `routed[k]`: the experts to replay for each sample of micro-batch k
         (Tensor[<= T_i - 1, L, K] or None each), or None; `count`: the usage metrics of a training
         pass; `capture`: keep what the routers chose (the yielded pass's `captured`: {(k, model
         layer): chosen, in megatron's (position, sample) order}); `aux_counts`: count each micro-batch's
         routed slots over this stage's layers (the pass's `aux_counts`, for `pipeline_aux`); `aux`:
-        attach each layer's share of the load-balancing loss (`pipeline_aux`'s result)."""
+        attach each layer's share of the load-balancing loss (`pipeline_aux`'s result); `aux_logits`:
+        keep the router logits with their graph and the routed slots (TP: `local_aux_term`)."""
         state = _PipelinePass()
         if not self.enabled:
             yield state
@@ -385,13 +396,14 @@ class MegatronRouting(TrainRouting):
         self._routed = routed
         self.hook._usage, self.hook._aux = usage, aux
         self.hook._captured = state.captured if capture else None
-        self.hook._aux_counts = state.aux_counts if aux_counts else None
+        self.hook._aux_counts = state.aux_counts if aux_counts or aux_logits else None
+        self.hook._aux_logits = state.aux_logits if aux_logits else None
         try:
             yield state
         finally:
             self._routed = None
             self.hook._usage = self.hook._real = self.hook._replay = self.hook._captured = None
-            self.hook._k = self.hook._aux_counts = self.hook._aux = None
+            self.hook._k = self.hook._aux_counts = self.hook._aux = self.hook._aux_logits = None
         if usage is not None:
             self.usage = usage if self.usage is None else self.usage + usage
 
@@ -417,29 +429,58 @@ class MegatronRouting(TrainRouting):
         """Micro-batch k's forward is next: `lens` of its samples in a right-padded [b, t] batch (none
         for a filler micro-batch)."""
         b, t = shape
+        lo, hi = self._positions(t)
         real = torch.zeros(b, t, dtype=torch.bool)
         if not filler:
             for i, n in enumerate(lens):
                 real[i, :n] = True
-        self.hook._real = real.t().reshape(-1)  # megatron's routers see (position, sample)
+        self.hook._real = real.t()[lo:hi].reshape(-1)  # megatron's routers see (position, sample)
         self.hook._k = k
         self.hook._replay = None
         routed = self._routed[k] if self._routed is not None and not filler and k < len(self._routed) else None
         if routed is not None and any(r is not None for r in routed):
             rows = replay_rows(routed, lens, False, t, self.model_layers, self.hook.top_k)
             pad = torch.full((b * t - rows.shape[0], self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
-            self.hook._replay = torch.cat([rows, pad])
+            rows = torch.cat([rows, pad]).reshape(b, t, self.model_layers, -1)[:, lo:hi]
+            self.hook._replay = rows.reshape(b * (hi - lo), self.model_layers, -1)
+
+    def _positions(self, t: int) -> tuple[int, int]:
+        """The positions of a [b, t] batch this rank's routers see (all but under sequence parallelism)."""
+        size = t // self.hook.sp_size
+        return self.hook.sp_rank * size, (self.hook.sp_rank + 1) * size
+
+    def local_aux_term(self, state: "_PipelinePass", k: int, tokens: int, scale: float, group) -> Tensor:
+        """The load-balancing loss of micro-batch k (`tokens` real tokens) restricted to the tokens this
+        rank's routers saw (their logits' graph in `state.aux_logits`), with the routed-slot counts of
+        every rank of `group` (summed over it: the HF formula is linear in the probabilities once the
+        counts are known, see `pipeline_aux`); the group's terms add up to the loss. Collective."""
+        counts = state.aux_counts.get(k, torch.zeros(self.hook.num_experts)).clone()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        n = self.model_layers * float(tokens)
+        total = None
+        for (kk, _), (logits, real) in sorted(state.aux_logits.items(), key=lambda x: x[0]):
+            if kk != k:
+                continue
+            probs = torch.softmax(logits.float(), dim=-1)[real.to(logits.device)]
+            term = (probs.sum(dim=0) * counts.to(probs.device)).sum()
+            total = term if total is None else total + term
+        if total is None:
+            return torch.zeros((), requires_grad=False)
+        return self.aux_coef * scale * self.hook.num_experts / (n * n) * total
 
     def pipeline_recording(self, state: _PipelinePass, k: int, shape: tuple[int, int], own: tuple[int, int],
                            width: int, group) -> Recording:
         """What every layer's router chose for micro-batch k of a pass (`state`), as a Recording of
         this rank's samples `own` = [s, e) of the micro-batch padded to `width` tokens, in slime's
-        (sample, position) order; the stages' layers joined over the pipeline `group`. Collective."""
+        (sample, position) order; the pipeline stages' layers, or the TP ranks' parts of the sequence,
+        joined over `group`. Collective."""
         b, t = shape
+        lo, hi = self._positions(t)
         full = torch.full((t, b, self.model_layers, self.hook.top_k), -1, dtype=torch.int32)
         for (kk, layer), chosen in state.captured.items():
             if kk == k:
-                full[:, :, layer] = chosen.cpu().reshape(t, b, -1)
+                full[lo:hi, :, layer] = chosen.cpu().reshape(hi - lo, b, -1)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
         s, e = own

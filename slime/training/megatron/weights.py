@@ -58,7 +58,8 @@ def is_tied_duplicate(model, name: str) -> bool:
 
 
 def _is_fc1(name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias")
+    """A gated fc1 ([gate; up]): the dense MLP's, or an MoE layer's shared expert's."""
+    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight"))
 
 
 def partition_dim(param) -> int | None:

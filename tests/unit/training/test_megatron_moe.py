@@ -126,8 +126,13 @@ PP2 = ["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2]
     ([*PP2, "--expert-model-parallel-size", 2, "--actor-num-gpus-per-node", 4],
      "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 .* not built yet \\(expert and pipeline"),
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
-     "--tensor-model-parallel-size 2: mixture-of-experts models on --train-backend megatron do not build tensor "
-     "parallelism yet"),
+     "--tensor-model-parallel-size 2 with a mixture-of-experts model needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", 2, "--sequence-parallel", *PP2, "--actor-num-gpus-per-node", 4],
+     "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2 for a mixture-of-experts model on "
+     "--train-backend megatron is not built yet"),
+    (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-model-parallel-size", 2,
+      "--actor-num-gpus-per-node", 4],
+     "--tensor-model-parallel-size 2 with --expert-model-parallel-size 2 for a mixture-of-experts model"),
 ])
 def test_moe_layouts_not_built_are_refused_at_start_up(moe_dirs, tmp_path, flags, message):
     """What an MoE run on the megatron backend does not build yet: one line at parse time, before any
@@ -224,51 +229,85 @@ def _random_routes(batch, layers=2, top_k=2, experts=4, seed=5):
                          for _ in range(len(t) - 1)]).to(torch.int32) for t in batch.tokens]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("replay", ["none", "r3", "r2", "aux"])
-def test_pipeline_parallel_matches_one_rank(replay, moe_dirs, tmp_path, ray_session):
-    """PP 2 on the tiny Qwen3-MoE (one MoE layer per stage, 1F1B) against one rank: the same metrics
-    (each layer's expert usage counted by its stage), HF-named weights and AdamW state after two steps.
-    Without replay the PP 2 checkpoint loads at one rank exactly. R3: random experts given for every
-    token are replayed by each stage's layers (the trainer's log-probs move far from the rollout's). R2:
-    the old-policy forward's routing, joined over the stages, is replayed by each rollout's second step
-    (where it differs from the routers' own choice: the loss is not the unreplayed run's). The
-    load-balancing loss: each stage adds its layers' share, with the micro-batch's expert counts of
-    every layer (the router weights are not the run's without it)."""
+REPLAY_FLAGS = {"none": [], "r3": ["--use-rollout-routing-replay"], "r2": ["--use-routing-replay"],
+                "aux": ["--moe-aux-loss-coeff", 0.1]}
+LAYOUT_FLAGS = {"pp2": ["--pipeline-model-parallel-size", 2],
+                "tp2": ["--tensor-model-parallel-size", 2, "--sequence-parallel"]}
+
+
+@pytest.fixture(scope="module")
+def kv2_dirs(tmp_path_factory):
+    """The tiny MoE models with 2 key/value heads, which TP 2 splits (PP 2 runs on them too, so that both
+    layouts compare with the same one-rank runs)."""
+    return {f: str(build_tiny_moe_model(tmp_path_factory.mktemp(f"{f}_kv2"), seed=1, family=f,
+                                        num_key_value_heads=2)) for f in ("qwen3_moe", "qwen2_moe")}
+
+
+def _moe_batch(model_dir, replay):
+    batch = synthetic_batch(model_dir, 8, seed=23)
+    if replay == "r3":
+        batch.routed_experts = _random_routes(batch)
+    return batch
+
+
+def _train_two_rollouts(model_dir, tmp_path, batch, ranks, mbs, flags, save=None, load=None):
+    """(metrics of rollouts 0 and 1, full state) of a megatron train group; `save`: then write its
+    checkpoint there; `load`: then load that checkpoint and return its full state too."""
     import ray
 
     from slime.ray.actor_group import TrainGroup
 
-    model_dir = moe_dirs["qwen3_moe"]
-    batch = synthetic_batch(model_dir, 8, seed=23)
-    flags = {"none": [], "r3": ["--use-rollout-routing-replay"], "r2": ["--use-routing-replay"],
-             "aux": ["--moe-aux-loss-coeff", 0.1]}[replay]
-    if replay == "r3":
-        batch.routed_experts = _random_routes(batch)
-    # the load-balancing loss is one formula over a micro-batch's tokens: the pipeline's micro-batch
-    # (the two stages' ranks' samples together) must be the one rank's (4 samples)
-    layouts = {"pp2": (2, ["--pipeline-model-parallel-size", 2, *flags], 2 if replay == "aux" else 1),
-               "one": (1, flags, 4)}
-    if replay in ("r2", "aux"):
-        layouts["one_unreplayed"] = (1, [], 4)
-    results = {}
-    for name, (ranks, layout_flags, mbs) in layouts.items():
-        args = make_args(model_dir, tmp_path, *COMMON, *MEGATRON, "--actor-num-gpus-per-node", ranks,
-                         "--micro-batch-size", mbs, *layout_flags)
-        group = TrainGroup(args)
-        try:
-            group.init()
-            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-            results[name] = ([group.train(0, refs), group.train(1, refs)], group.full_state(optimizer=True))
-            if name == "pp2" and replay == "none":
-                group.save(str(tmp_path / "pp2_ckpt"))
-            elif name == "one" and replay == "none":
-                group.load(str(tmp_path / "pp2_ckpt"))
-                results["loaded"] = group.full_state(optimizer=True)
-        finally:
-            group.shutdown()
-    m1, (s1, o1) = results["one"]
-    m2, (s2, o2) = results["pp2"]
+    args = make_args(model_dir, tmp_path, *COMMON, *MEGATRON, "--actor-num-gpus-per-node", ranks,
+                     "--micro-batch-size", mbs, *flags)
+    group = TrainGroup(args)
+    try:
+        group.init()
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        out = ([group.train(0, refs), group.train(1, refs)], group.full_state(optimizer=True))
+        if save:
+            group.save(save)
+        if load:
+            group.load(load)
+            out = (*out, group.full_state(optimizer=True))
+        return out
+    finally:
+        group.shutdown()
+
+
+_ONE_RANK: dict = {}  # (model, replay) -> the one-rank run both layouts compare with (one module, one worker)
+
+
+def _one_rank(model_dir, tmp_path, replay):
+    if (model_dir, replay) not in _ONE_RANK:
+        _ONE_RANK[(model_dir, replay)] = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), 1, 4,
+                                                             REPLAY_FLAGS[replay])
+    return _ONE_RANK[(model_dir, replay)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, replay, family", [
+    ("pp2", "none", "qwen3_moe"), ("pp2", "r3", "qwen3_moe"), ("pp2", "r2", "qwen3_moe"), ("pp2", "aux", "qwen3_moe"),
+    ("tp2", "none", "qwen3_moe"), ("tp2", "r3", "qwen3_moe"), ("tp2", "r2", "qwen3_moe"), ("tp2", "aux", "qwen3_moe"),
+    ("tp2", "none", "qwen2_moe")])
+def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_path, ray_session):
+    """PP 2 (one MoE layer per stage, 1F1B) and TP 2 with sequence parallelism (each TP rank routes its
+    half of the sequence; experts whole on both) against one rank: the same metrics (expert usage
+    included), HF-named weights and AdamW state after two steps. PP 2's checkpoint loads at one rank
+    exactly. R3: random experts given for every token are replayed (the trainer's log-probs move far
+    from the rollout's). R2: the old-policy forward's routing, joined over the stages or the TP ranks'
+    halves, is replayed by each rollout's second step (where it differs from the routers' own choice:
+    the loss is not the unreplayed run's). The load-balancing loss: each stage, or TP rank, adds the
+    share of its layers, or tokens, with the micro-batch's expert counts of every layer and token (the
+    router weights are not the run's without it). Qwen2-MoE under TP: its shared expert's gated fc1 is
+    split like a dense MLP's."""
+    model_dir = kv2_dirs[family]
+    m1, (s1, o1) = _one_rank(model_dir, tmp_path, replay)
+    # the load-balancing loss is one formula over a micro-batch's tokens: the 2-rank group's micro-batch
+    # (both ranks' samples together) must be the one rank's (4 samples)
+    ckpt = str(tmp_path / "ckpt") if (layout, replay) == ("pp2", "none") else None
+    m2, (s2, o2) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), 2,
+                                       2 if replay == "aux" else 1, [*LAYOUT_FLAGS[layout], *REPLAY_FLAGS[replay]],
+                                       save=ckpt)
     diff = m1[0]["train/train_rollout_logprob_abs_diff"]
     assert diff > 1e-2 if replay == "r3" else diff < 1e-5
     for step in range(2):
@@ -279,17 +318,20 @@ def test_pipeline_parallel_matches_one_rank(replay, moe_dirs, tmp_path, ray_sess
     assert set(s2) == set(s1)
     assert_states_close(s2, s1, atol=1e-5)
     assert set(o2["state"]) == set(o1["state"])
-    for pname, st in o1["state"].items():
-        torch.testing.assert_close(o2["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
+    for pname, st in o1["state"].items():  # TP 2 pads the vocabulary rows to a multiple of 256 (zeros)
+        got = o2["state"][pname]["exp_avg"]
+        torch.testing.assert_close(got[: st["exp_avg"].shape[0]], st["exp_avg"], atol=1e-6, rtol=1e-4)
+        assert not got[st["exp_avg"].shape[0]:].any()
     if replay == "r2":  # a rollout's second step replays the first's routing, not the routers' own choice
-        free = results["one_unreplayed"][0]
+        free = _one_rank(model_dir, tmp_path, "none")[0]
         assert free[0]["train/loss"] != pytest.approx(m1[0]["train/loss"], rel=1e-4)
     if replay == "aux":  # the load-balancing loss moved the routers
-        free = results["one_unreplayed"][1][0]
+        free = _one_rank(model_dir, tmp_path, "none")[1][0]
         router = "model.layers.0.mlp.gate.weight"
         assert (free[router] - s1[router]).abs().max() > 1e-4
-    if replay == "none":
-        s_loaded, o_loaded = results["loaded"]
+    if ckpt:  # PP 2's checkpoint at one rank
+        *_, (s_loaded, o_loaded) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), 1, 4, [],
+                                                       load=ckpt)
         assert_states_close(s_loaded, s2, atol=0)
         for pname, st in o2["state"].items():
             for key in ("step", "exp_avg", "exp_avg_sq"):
