@@ -132,8 +132,9 @@ FLAGS: tuple[ScriptFlag, ...] = (
     # parallel layout (--tensor/pipeline/context-model-parallel-size and --sequence-parallel: slime.arguments)
     ScriptFlag("--expert-model-parallel-size", dict(type=int, default=1), _expert_parallel),
     ScriptFlag("--expert-tensor-parallel-size", dict(type=int, default=None),
-               lambda a, v, moe: None if v in (1, a.tensor_model_parallel_size) else
-               "expert tensor parallelism different from --tensor-model-parallel-size is not built"),
+               lambda a, v, moe: None if v == 1 else
+               "expert tensor parallelism other than 1 is not built (every tensor-parallel rank holds its experts "
+               "whole)"),
     ScriptFlag("--virtual-pipeline-model-parallel-size", dict(type=int, default=None),
                _needs(lambda a: a.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1")),
     ScriptFlag("--num-layers-per-virtual-pipeline-stage", dict(type=int, default=None),

@@ -127,6 +127,9 @@ PP2 = ["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2]
      "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 .* not built yet \\(expert and pipeline"),
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
      "--tensor-model-parallel-size 2 with a mixture-of-experts model needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-tensor-parallel-size", 2,
+      "--actor-num-gpus-per-node", 2], "--expert-tensor-parallel-size 2: expert tensor parallelism other than 1 "
+                                       "is not built"),
     (["--tensor-model-parallel-size", 2, "--sequence-parallel", *PP2, "--actor-num-gpus-per-node", 4],
      "--tensor-model-parallel-size 2 with --pipeline-model-parallel-size 2 for a mixture-of-experts model on "
      "--train-backend megatron is not built yet"),
