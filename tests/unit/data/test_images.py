@@ -114,7 +114,7 @@ def test_local_files_travel_as_their_bytes(tiny_vl_model_dir, tmp_path):
     assert inline_source(b64) is b64 and inline_source(url) is url
     red.write_bytes(_png((0, 255, 0), (64, 56)))  # a rewritten file is read again
     assert image_bytes(inline_source(str(red))) == red.read_bytes()
-    with pytest.raises(ImageError, match="missing.png: no such file"):
+    with pytest.raises(ImageError, match="image file://.*: no such file"):  # a long path is cut in the message
         inline_source(f"file://{tmp_path}/missing.png")
     # the train batch: local files inlined, the samples themselves keep their paths
     args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
