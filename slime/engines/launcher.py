@@ -44,7 +44,8 @@ class EngineServer:
 
     def start(self, attempts: int = 3) -> str:
         """Launch on a free port of this node; when another process takes the port before the
-        engine binds it (the engine then fails to bind), launch again on another."""
+        engine binds it (another server answers there, or the engine exits unable to bind), launch
+        again on another."""
         for attempt in range(attempts):
             try:
                 return self._launch(free_port(node_address()))
@@ -61,6 +62,7 @@ class EngineServer:
         log_dir = Path(self.args.output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{self.log_name}.log"
+        start = log_path.stat().st_size if log_path.exists() else 0  # this launch's output follows
         env = dict(os.environ, OMP_NUM_THREADS=str(cpu_threads(self.args, "rollout")), PYTHONUNBUFFERED="1",
                    **{API_KEY_ENV: self.args.engine_api_key}, **kind.launch_env(self.args))
         with open(log_path, "ab") as log:
@@ -75,9 +77,14 @@ class EngineServer:
             self.shutdown()
             raise
         except Exception as e:
-            tail = log_path.read_text(errors="replace")[-2000:]
+            with open(log_path, "rb") as f:
+                f.seek(start)
+                output = f.read().decode(errors="replace")
             self.shutdown()
-            raise RuntimeError(f"{self.label} did not start ({e}); last output of {log_path}:\n{tail}") from None
+            if "address already in use" in output.lower():  # taken between free_port and the engine's bind
+                raise ForeignListener(f"port {port} was taken before the engine could bind it") from None
+            raise RuntimeError(f"{self.label} did not start ({e}); last output of {log_path}:\n{output[-2000:]}") \
+                from None
         return self.url
 
     def is_alive(self) -> bool:

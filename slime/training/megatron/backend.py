@@ -274,7 +274,7 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
-        if self.tp > 1 and model is self.model and self._moe_routing():  # MoE under TP + SP
+        if self.tp > 1 and model is self.model and self._moe_routing() and tokens:  # MoE under TP + SP
             with torch.set_grad_enabled(grad and not ref):
                 lps, ents, _ = self._routed_tp_forward(mb, tokens, lengths, s, e, with_entropy=with_entropy,
                                                        entropy_grad=entropy_grad and grad)

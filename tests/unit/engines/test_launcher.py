@@ -43,3 +43,28 @@ def test_engine_threads_follow_the_cpu_split(tiny_model_dir, tmp_path, monkeypat
 
     assert threads(make_args(tiny_model_dir, tmp_path, *flags)) == "5"  # 16 // 3
     assert threads(make_args(tiny_model_dir, tmp_path, *flags, overlap_training=True)) == "4"  # 16 * 3/4 // 3
+
+
+def test_an_engine_whose_port_was_taken_before_it_bound_is_launched_on_another(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """free_port's port can be taken by another process before the engine binds it (CI saw a train
+    rank's process group take one): the engine exits unable to bind, and the launcher starts it again
+    on another port instead of failing the run."""
+    import socket
+
+    from slime.engines import launcher
+    from slime.utils.net import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    second = free_port("127.0.0.1")
+    ports = [taken.getsockname()[1], second]
+    monkeypatch.setattr(launcher, "free_port", lambda host: ports.pop(0))
+    server = launcher.EngineServer(make_args(tiny_model_dir, tmp_path), rank=0)
+    try:
+        assert server.start() == f"http://127.0.0.1:{second}"
+        assert not ports and server.is_alive()
+    finally:
+        server.shutdown()
+        taken.close()
