@@ -298,10 +298,10 @@ class MegatronBackend(StepTail):
         routing = self._moe_routing()
         routed = [self._group_routed(mb, self.tp_group)]
         shape = (len(tokens), -(-max(len(t) for t in tokens) // self.seq_multiple) * self.seq_multiple)
-        with routing.pipeline_pass(routed, count=count, capture=True, aux_logits=aux_scale is not None) as rp:
+        with routing.routing_pass(routed, count=count, capture=True, aux_logits=aux_scale is not None) as rp:
             routing.before_forward(0, [len(t) for t in tokens], shape, False)
             lps, ents = self._forward(self.model, tokens, lengths, with_entropy=with_entropy, entropy_grad=entropy_grad)
-        self.last_routing = routing.pipeline_recording(rp, 0, shape, (s, e), max((len(t) for t in mb.tokens),
+        self.last_routing = routing.joined_recording(rp, 0, shape, (s, e), max((len(t) for t in mb.tokens),
                                                                                  default=0), self.tp_group)
         aux = routing.local_aux_term(rp, 0, sum(len(t) for t in tokens), aux_scale, self.tp_group) \
             if aux_scale is not None else None
@@ -316,9 +316,9 @@ class MegatronBackend(StepTail):
             [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
         else:  # MoE: replay (R2/R3) and record (R2) the policy's routing, as policy_routing does without PP
             routed = [self._group_routed(mb, self.mp_group)]
-            with self.routing.pipeline_pass(routed, capture=True) as routing_pass:
+            with self.routing.routing_pass(routed, capture=True) as routing_pass:
                 [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
-            self.last_routing = self.routing.pipeline_recording(
+            self.last_routing = self.routing.joined_recording(
                 routing_pass, 0, self.pipeline.shape(self.pipeline.padded([(tokens, lengths)])), (s, e),
                 max(len(t) for t in mb.tokens) if mb.tokens else 0, ps.get_pipeline_model_parallel_group())
         a, b = sum(lengths[:s]), sum(lengths[:e])
@@ -462,7 +462,7 @@ class MegatronBackend(StepTail):
         routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []), self.mp_group)
                   for k in range(len(batches))] if moe_routing else None
         aux = moe_routing is not None and moe_routing.aux_coef > 0
-        with moe_routing.pipeline_pass(routed, aux_counts=aux) if moe_routing else contextlib.nullcontext() as rp:
+        with moe_routing.routing_pass(routed, aux_counts=aux) if moe_routing else contextlib.nullcontext() as rp:
             scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
@@ -471,7 +471,7 @@ class MegatronBackend(StepTail):
         aux_terms = moe_routing.pipeline_aux(rp, batches, self.pp / len(batches),
                                              ps.get_pipeline_model_parallel_group()) if aux else None
         # MoE: the same replay, the load-balancing loss and the usage metrics of the training pass
-        with moe_routing.pipeline_pass(routed, count=True, aux=aux_terms) if moe_routing \
+        with moe_routing.routing_pass(routed, count=True, aux=aux_terms) if moe_routing \
                 else contextlib.nullcontext():
             self.pipeline.backward(self.chunks, batches, upstream)
 

@@ -36,9 +36,9 @@ of -1 keeps the router's choice). megatron's routers see tokens in (position, sa
 hook converts to and from slime's (sample, position) order.
 
 Pipeline parallelism: a stage builds its own MoE layers (whole-model names through
-weights.global_names); `MegatronRouting.pipeline_pass` / `before_forward` give each micro-batch's
+weights.global_names); `MegatronRouting.routing_pass` / `before_forward` give each micro-batch's
 forward its real tokens (usage metrics), its replayed experts (R2/R3) and keep what the routers chose
-(R2's recording, joined over the stages by `pipeline_recording`) and attach each layer's share of
+(R2's recording, joined over the stages by `joined_recording`) and attach each layer's share of
 the load-balancing loss (`pipeline_aux`). Expert parallelism is not built with it yet (refused at
 parse time, slime.moe_flags).
 
@@ -354,7 +354,7 @@ class MegatronRoutingHook:
 
 @dataclasses.dataclass
 class _PipelinePass:
-    """What the routers left in one pipeline pass (MegatronRouting.pipeline_pass)."""
+    """What the routers left in one pipeline pass (MegatronRouting.routing_pass)."""
     captured: dict = dataclasses.field(default_factory=dict)  # (micro-batch, model layer) -> chosen
     aux_counts: dict = dataclasses.field(default_factory=dict)  # micro-batch -> [E] routed slots, this stage
     aux_logits: dict = dataclasses.field(default_factory=dict)  # (micro-batch, layer) -> (logits, real tokens)
@@ -366,9 +366,9 @@ class MegatronRouting(TrainRouting):
     Under pipeline parallelism a stage's routers are some of the model's layers and megatron's
     schedule runs the micro-batches' forwards in its own order, so the per-forward state is set by
     `before_forward` (pipeline.py calls it before each micro-batch's forward on each stage) inside a
-    `pipeline_pass`: the forward's real tokens (usage counts), the experts to replay (R2/R3: every
+    `routing_pass`: the forward's real tokens (usage counts), the experts to replay (R2/R3: every
     sample's rows of the whole model, each router taking its own layer's) and what the routers chose
-    (R2's recording, `pipeline_recording`)."""
+    (R2's recording, `joined_recording`)."""
 
     def __init__(self, model: torch.nn.Module, aux_coef: float = 0.0, model_layers: int | None = None):
         self.hook = MegatronRoutingHook(model, model_layers)
@@ -379,7 +379,7 @@ class MegatronRouting(TrainRouting):
         self._routed: list[list | None] | None = None  # the pass's micro-batches' samples' experts to replay
 
     @contextlib.contextmanager
-    def pipeline_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False,
+    def routing_pass(self, routed: list[list | None] | None = None, count: bool = False, capture: bool = False,
                       aux_counts: bool = False, aux: tuple | None = None, aux_logits: bool = False):
         """Around one pipeline pass. `routed[k]`: the experts to replay for each sample of micro-batch k
         (Tensor[<= T_i - 1, L, K] or None each), or None; `count`: the usage metrics of a training
@@ -413,7 +413,7 @@ class MegatronRouting(TrainRouting):
         `E * sum_e f_e P_e` = `E / (L T)^2 * sum_e count_e * sum_(l, t) p_lte` with count_e the slots
         routed to e over all layers - known once every stage has run k (`state.aux_counts`, summed
         over the pipeline `group`) - and linear in each layer's probabilities. So each stage's
-        routers add their layers' terms, attached to their outputs (`pipeline_pass(aux=...)`) in the
+        routers add their layers' terms, attached to their outputs (`routing_pass(aux=...)`) in the
         forward of the training pass, which routes as the pass that counted. `scale` multiplies the
         coefficient (the backend's mean over micro-batches). Collective over `group`."""
         if not self.enabled or self.aux_coef == 0:
@@ -469,7 +469,7 @@ class MegatronRouting(TrainRouting):
             return torch.zeros((), requires_grad=False)
         return self.aux_coef * scale * self.hook.num_experts / (n * n) * total
 
-    def pipeline_recording(self, state: _PipelinePass, k: int, shape: tuple[int, int], own: tuple[int, int],
+    def joined_recording(self, state: _PipelinePass, k: int, shape: tuple[int, int], own: tuple[int, int],
                            width: int, group) -> Recording:
         """What every layer's router chose for micro-batch k of a pass (`state`), as a Recording of
         this rank's samples `own` = [s, e) of the micro-batch padded to `width` tokens, in slime's
