@@ -139,8 +139,9 @@ def _train_capturing(args, batch, rollouts=1):
 def test_training_steps_match_the_reference_backend(name, tiny_model_dir, tmp_path):
     """Same batch, loss (PPO clip + k3 KL + entropy), AdamW settings and micro-batches, two rollouts of
     two optimizer steps each: the backend's gradients at every step, its metrics and its updated
-    weights are the FSDP backend's."""
-    batch = synthetic_batch(tiny_model_dir, 8, seed=12)
+    weights are the FSDP backend's. Two samples hold the pad token, whose embedding row the HF models
+    train only through a tied output layer (megatron's embedding would train it from those positions)."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=12, pad_tokens=True)
     runs = {}
     for backend in ("fsdp", name):
         args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 3, "--clip-grad", 0.5,

@@ -34,9 +34,11 @@ def make_args(model_dir, tmp_path, *extra):
                            data='{"input": "1 + 1"}\n')
 
 
-def synthetic_batch(model_dir, n, seed=0):
+def synthetic_batch(model_dir, n, seed=0, pad_tokens=False):
     """n samples with random prompts/responses, partial loss masks, group rewards and
-    rollout log-probs computed by a plain HF forward (the engine's definition)."""
+    rollout log-probs computed by a plain HF forward (the engine's definition). `pad_tokens`: the
+    model's pad token opens sample 0 and is the second token of sample 1 (HF's embedding gives its
+    row no gradient from these positions)."""
     g = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens, lengths, masks, lps = [], [], [], []
@@ -44,6 +46,8 @@ def synthetic_batch(model_dir, n, seed=0):
         p = int(torch.randint(2, 8, (1,), generator=g))
         r = int(torch.randint(1, 7, (1,), generator=g))
         toks = torch.randint(4, model.config.vocab_size, (p + r,), generator=g)
+        if pad_tokens and i < 2:
+            toks[i] = model.config.pad_token_id
         with torch.no_grad():
             logits = model(toks[None]).logits[0].float() / TEMPERATURE
         lp = torch.log_softmax(logits, -1)[p - 1 : p - 1 + r].gather(-1, toks[p:, None]).squeeze(-1)

@@ -91,6 +91,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
         vp_stage=vp,
     )
     _mark_tensor_parallel(model)
+    _pad_row_without_lookup_gradient(model, getattr(config, "pad_token_id", None), config.vocab_size)
     model.to(dtype)
     # dropout is 0 anyway; eval keeps it that way for any future layer. megatron recomputes only in
     # training mode, so a model built to recompute is left in it (the same numbers: no dropout)
@@ -126,6 +127,26 @@ def _sequence_parallel_block(spec, tconf, vp_stage):
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconf, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelRMSNorm)
+
+
+def _pad_row_without_lookup_gradient(model, pad_id: int | None, vocab_size: int) -> None:
+    """The Hugging Face models build their embedding as `nn.Embedding(..., padding_idx=pad_token_id)`:
+    a position holding the pad token adds no gradient to the pad token's row (a tied output layer
+    still trains it), and the FSDP backend trains them so. megatron's VocabParallelEmbedding has no
+    padding_idx, so its output at those positions is detached here (the same values). The output is
+    [b, s, h], or under sequence parallelism [s / tp, b, h]: this TP rank's part of the sequence."""
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if emb is None or pad_id is None or not 0 <= int(pad_id) < vocab_size:
+        return
+
+    def detach_pad_positions(module, args, out):
+        pad = args[0] == int(pad_id)  # [b, s]
+        if module.reduce_scatter_embeddings:
+            n, rank = out.shape[0], ps.get_tensor_model_parallel_rank()
+            pad = pad.t()[rank * n: (rank + 1) * n]
+        return torch.where(pad.unsqueeze(-1).to(out.device), out.detach(), out)
+
+    emb.register_forward_hook(detach_pad_positions)
 
 
 def _mark_tensor_parallel(model) -> None:

@@ -149,13 +149,15 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
 def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_session):
     """TP=2 (2 ranks, one TP group), DP=2 (TP=1) and one rank: the same metrics and weights after two
     AdamW steps (through full_state: the TP shards gathered back to HF names). Qwen3's q/k norms are
-    replicated but see only their rank's heads: their gradients must be summed over the TP group."""
+    replicated but see only their rank's heads: their gradients must be summed over the TP group.
+    Two samples hold the pad token (its embedding row gets no gradient from them, as in HF): under
+    sequence parallelism each TP rank's embedding output is its part of the sequence."""
     import ray
 
     from slime.ray.actor_group import TrainGroup
 
     gqa_model_dir = _gqa_model(tiny_model_dir, tmp_path / kind, kind)
-    batch = synthetic_batch(gqa_model_dir, 8, seed=14)
+    batch = synthetic_batch(gqa_model_dir, 8, seed=14, pad_tokens=True)
     layouts = {"tp2": (2, 2, 1, []), "one": (1, 1, 3, [])}  # ranks, TP, micro-batch size, flags
     if kind == "llama":
         layouts["dp2"] = (2, 1, 1, [])
