@@ -107,18 +107,18 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def build_tiny_moe_model(output_dir: str | Path, seed: int = 0, family: str = "qwen3_moe",
-                         num_key_value_heads: int = 1) -> Path:
+                         num_key_value_heads: int = 1, num_hidden_layers: int = 2) -> Path:
     """Write a tiny random mixture-of-experts model (`family`: one of `MOE_FAMILIES`) plus the tiny
-    tokenizer to `output_dir` and return it: 2 layers, each an MoE layer of 4 experts routing every
-    token to 2 of them; 2 attention heads sharing `num_key_value_heads` key/value heads (2: splits
-    over 2 tensor-parallel ranks)."""
+    tokenizer to `output_dir` and return it: `num_hidden_layers` layers, each an MoE layer of 4 experts
+    routing every token to 2 of them; 2 attention heads sharing `num_key_value_heads` key/value heads
+    (2: splits over 2 tensor-parallel ranks)."""
     if family not in MOE_FAMILIES:
         raise ValueError(f"family must be one of {MOE_FAMILIES}, got {family!r}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_hidden_layers,
         num_attention_heads=2, num_key_value_heads=num_key_value_heads, num_experts_per_tok=2,
         max_position_embeddings=512,
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -169,7 +169,7 @@ def build_tiny_vl_model(output_dir: str | Path, seed: int = 0) -> Path:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_hidden_layers,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]},
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -54,6 +54,7 @@ from slime.training.megatron.dist_checkpoint import load_train_state, save_train
 from slime.training.megatron.model import PipelineLayout, build_model
 from slime.training.megatron.optimizer import ShardedAdamW
 from slime.training.megatron.pipeline import (
+    FILLER,
     Pipeline,
     batch_inputs,
     gather_group_micro_batches,
@@ -311,6 +312,8 @@ class MegatronBackend(StepTail):
         tokens, lengths, s, e = gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
                                                            self.mp_group)
         if not tokens:
+            if self.ep > 1:  # the other pipelines' expert dispatch (all-to-all on every stage) needs this one
+                self.pipeline.forward(self._chunks(model), [FILLER], with_entropy=False)
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device) if with_entropy else None
         if model is not self.model or not isinstance(self.routing, moe.MegatronRouting):
             [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
@@ -451,11 +454,13 @@ class MegatronBackend(StepTail):
         gradients, then megatron's forward-backward schedule (pipeline.py says why two passes)."""
         n_local = len(micro_batches)
         gathered = []
-        for k in range(self._group_max(n_local, self.mp_group)):
+        # under expert parallelism the pipelines of one stage's EP ranks dispatch tokens to each other in
+        # every forward and backward: all of them run as many micro-batches (an empty one as a filler)
+        for k in range(self._group_max(n_local, None if self.ep > 1 else self.mp_group)):
             mb = micro_batches[k] if k < n_local else MicroBatch([], [])
             gathered.append(gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
                                                        self.mp_group))
-        batches = [(tokens, lengths) for tokens, lengths, _, _ in gathered]
+        batches = [(tokens, lengths) if tokens else FILLER for tokens, lengths, _, _ in gathered]
         if not batches:
             return
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
@@ -508,9 +513,8 @@ class MegatronBackend(StepTail):
         # MoE experts: each EP rank holds its own, reduced over the expert-data-parallel group (the ranks
         # holding the same experts: under TP + SP every TP rank, each having routed its own part of the
         # sequence); their gradients already carry every EP rank's tokens (the all-to-all)
-        edp = ps.get_expert_data_parallel_group() if self.moe else self.dp_group
-        for name, p in named:
-            group = edp if moe.is_expert(name) else self.dp_group
+        for p in params:
+            group = self._replica_group(p)
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
         for p in params:

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from safetensors import safe_open  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from slime.training.backend import MicroBatch  # noqa: E402
 from slime.utils.errors import SlimeConfigError  # noqa: E402
@@ -123,8 +123,6 @@ PP2 = ["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2]
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([*PP2, "--expert-model-parallel-size", 2, "--actor-num-gpus-per-node", 4],
-     "--expert-model-parallel-size 2 with --pipeline-model-parallel-size 2 .* not built yet \\(expert and pipeline"),
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
      "--tensor-model-parallel-size 2 with a mixture-of-experts model needs --sequence-parallel"),
     (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-tensor-parallel-size", 2,
@@ -234,22 +232,29 @@ def _random_routes(batch, layers=2, top_k=2, experts=4, seed=5):
 
 REPLAY_FLAGS = {"none": [], "r3": ["--use-rollout-routing-replay"],
                 "r2_aux": ["--use-routing-replay", "--moe-aux-loss-coeff", 0.1]}
-LAYOUT_FLAGS = {"pp2": ["--pipeline-model-parallel-size", 2],
-                "tp2": ["--tensor-model-parallel-size", 2, "--sequence-parallel"]}
+# layout: (train ranks, flags)
+LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", 2]),
+           "tp2": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+           "ep2_pp2_vp2": (4, ["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+                               "--num-layers-per-virtual-pipeline-stage", 1])}
 
 
 @pytest.fixture(scope="module")
 def kv2_dirs(tmp_path_factory):
     """The tiny MoE models with 2 key/value heads, which TP 2 splits (PP 2 runs on them too, so that both
-    layouts compare with the same one-rank runs)."""
-    return {f: str(build_tiny_moe_model(tmp_path_factory.mktemp(f"{f}_kv2"), seed=1, family=f,
+    layouts compare with the same one-rank runs), and a 4-layer Qwen3-MoE (2 stages x 2 virtual stages)."""
+    dirs = {f: str(build_tiny_moe_model(tmp_path_factory.mktemp(f"{f}_kv2"), seed=1, family=f,
                                         num_key_value_heads=2)) for f in ("qwen3_moe", "qwen2_moe")}
+    dirs["qwen3_moe_4l"] = str(build_tiny_moe_model(tmp_path_factory.mktemp("qwen3_moe_4l"), seed=1,
+                                                    num_key_value_heads=2, num_hidden_layers=4))
+    return dirs
 
 
 def _moe_batch(model_dir, replay):
     batch = synthetic_batch(model_dir, 8, seed=23)
     if replay == "r3":
-        batch.routed_experts = _random_routes(batch)
+        layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+        batch.routed_experts = _random_routes(batch, layers=layers)
     return batch
 
 
@@ -291,7 +296,7 @@ def _one_rank(model_dir, tmp_path, replay):
 @pytest.mark.parametrize("layout, replay, family", [
     ("pp2", "none", "qwen3_moe"), ("pp2", "r3", "qwen3_moe"), ("pp2", "r2_aux", "qwen3_moe"),
     ("tp2", "none", "qwen3_moe"), ("tp2", "r3", "qwen3_moe"), ("tp2", "r2_aux", "qwen3_moe"),
-    ("tp2", "none", "qwen2_moe")])
+    ("tp2", "none", "qwen2_moe"), ("ep2_pp2_vp2", "r3", "qwen3_moe_4l")])
 def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_path, ray_session):
     """PP 2 (one MoE layer per stage, 1F1B) and TP 2 with sequence parallelism (each TP rank routes its
     half of the sequence; experts whole on both) against one rank: the same metrics (expert usage
@@ -302,15 +307,17 @@ def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_p
     the TP ranks' halves, is replayed by each rollout's second step, and each stage, or TP rank, adds
     the loss's share of its layers, or tokens, with the micro-batch's expert counts of every layer and
     token (the loss and the router weights are not the plain run's). Qwen2-MoE under TP: its shared
-    expert's gated fc1 is split like a dense MLP's."""
+    expert's gated fc1 is split like a dense MLP's. EP 2 x PP 2 with 2 virtual stages (4 ranks, a 4-layer
+    model, the interleaved schedule padded with a filler micro-batch): the two pipelines of a stage
+    dispatch tokens to each other's experts in every forward and backward."""
     model_dir = kv2_dirs[family]
     m1, (s1, o1) = _one_rank(model_dir, tmp_path, replay)
     # the load-balancing loss is one formula over a micro-batch's tokens: the 2-rank group's micro-batch
     # (both ranks' samples together) must be the one rank's (4 samples)
     ckpt = str(tmp_path / "ckpt") if (layout, replay) == ("pp2", "none") else None
-    m2, (s2, o2) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), 2,
-                                       2 if replay == "r2_aux" else 1, [*LAYOUT_FLAGS[layout], *REPLAY_FLAGS[replay]],
-                                       save=ckpt)
+    ranks, flags = LAYOUTS[layout]
+    m2, (s2, o2) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), ranks,
+                                       2 if replay == "r2_aux" else 1, [*flags, *REPLAY_FLAGS[replay]], save=ckpt)
     diff = m1[0]["train/train_rollout_logprob_abs_diff"]
     assert diff > 1e-2 if replay == "r3" else diff < 1e-5
     for step in range(2):
