@@ -42,14 +42,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
-from slime.training.megatron import critic, moe, shims
+from slime.training.megatron import critic, grads, moe, shims
 from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
 from slime.training.megatron.model import PipelineLayout, build_model
 from slime.training.megatron.optimizer import ShardedAdamW
@@ -277,7 +276,7 @@ class MegatronBackend(StepTail):
         tokens, lengths, s, e = self._gather_tp(mb)
         if self.tp > 1 and model is self.model and self._moe_routing() and tokens:  # MoE under TP + SP
             with torch.set_grad_enabled(grad and not ref):
-                lps, ents, _ = self._routed_tp_forward(mb, tokens, lengths, s, e, with_entropy=with_entropy,
+                lps, ents, _ = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=with_entropy,
                                                        entropy_grad=entropy_grad and grad)
         else:
             with torch.set_grad_enabled(grad and not ref), moe.policy_routing(self, model, mb):
@@ -290,24 +289,6 @@ class MegatronBackend(StepTail):
     def _moe_routing(self) -> "moe.MegatronRouting | None":
         return self.routing if isinstance(self.routing, moe.MegatronRouting) and self.routing.enabled else None
 
-    def _routed_tp_forward(self, mb: MicroBatch, tokens, lengths, s: int, e: int, *, with_entropy: bool,
-                           entropy_grad: bool, count: bool = False, aux_scale: float | None = None):
-        """The policy's forward of the TP group's micro-batch (MoE under TP + sequence parallelism: each
-        TP rank's routers see their part of the sequence): the group's experts replayed (R2/R3), the
-        routing recorded (`last_routing`, this rank's samples, R2), with `count` the usage metrics, with
-        `aux_scale` the load-balancing loss term of this rank's tokens (else None). Collective over TP."""
-        routing = self._moe_routing()
-        routed = [self._group_routed(mb, self.tp_group)]
-        shape = (len(tokens), -(-max(len(t) for t in tokens) // self.seq_multiple) * self.seq_multiple)
-        with routing.routing_pass(routed, count=count, capture=True, aux_logits=aux_scale is not None) as rp:
-            routing.before_forward(0, [len(t) for t in tokens], shape, False)
-            lps, ents = self._forward(self.model, tokens, lengths, with_entropy=with_entropy, entropy_grad=entropy_grad)
-        self.last_routing = routing.joined_recording(rp, 0, shape, (s, e), max((len(t) for t in mb.tokens),
-                                                                                 default=0), self.tp_group)
-        aux = routing.local_aux_term(rp, 0, sum(len(t) for t in tokens), aux_scale, self.tp_group) \
-            if aux_scale is not None else None
-        return lps, ents, aux
-
     def _pipeline_logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         tokens, lengths, s, e = gather_group_micro_batches([list(t) for t in mb.tokens], list(mb.response_lengths),
                                                            self.mp_group)
@@ -318,7 +299,7 @@ class MegatronBackend(StepTail):
         if model is not self.model or not isinstance(self.routing, moe.MegatronRouting):
             [(lp, ent)] = self.pipeline.forward(self._chunks(model), [(tokens, lengths)], with_entropy=with_entropy)
         else:  # MoE: replay (R2/R3) and record (R2) the policy's routing, as policy_routing does without PP
-            routed = [self._group_routed(mb, self.mp_group)]
+            routed = [moe.group_routed(mb, self.mp_group)]
             with self.routing.routing_pass(routed, capture=True) as routing_pass:
                 [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
             self.last_routing = self.routing.joined_recording(
@@ -409,7 +390,7 @@ class MegatronBackend(StepTail):
             lps, ents = self._values(self.model, tokens, lengths), None
         elif self._moe_routing() and tokens:
             scale = self.tp / n_group if self.routing.aux_coef > 0 else None
-            lps, ents, aux = self._routed_tp_forward(mb, tokens, lengths, s, e, with_entropy=True,
+            lps, ents, aux = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=True,
                                                      entropy_grad=entropy_grad, count=True, aux_scale=scale)
         else:
             lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
@@ -464,7 +445,7 @@ class MegatronBackend(StepTail):
         if not batches:
             return
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
-        routed = [self._group_routed(micro_batches[k] if k < n_local else MicroBatch([], []), self.mp_group)
+        routed = [moe.group_routed(micro_batches[k] if k < n_local else MicroBatch([], []), self.mp_group)
                   for k in range(len(batches))] if moe_routing else None
         aux = moe_routing is not None and moe_routing.aux_coef > 0
         with moe_routing.routing_pass(routed, aux_counts=aux) if moe_routing else contextlib.nullcontext() as rp:
@@ -480,73 +461,20 @@ class MegatronBackend(StepTail):
                 else contextlib.nullcontext():
             self.pipeline.backward(self.chunks, batches, upstream)
 
-    def _group_routed(self, mb: MicroBatch, group) -> list | None:
-        """The experts to replay (R2/R3) for every sample of the group's micro-batch (the ranks'
-        micro-batches in group-rank order, as gather_group_micro_batches and _gather_tp join them), or
-        None when no sample has any. Collective over the group."""
-        mine = list(mb.routed_experts) if mb.routed_experts is not None else [None] * len(mb.tokens)
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
-        flat = [r for part in parts for r in part]
-        return flat if any(r is not None for r in flat) else None
-
     @property
     def chunks(self) -> list:
         return self._chunks(self.model)
 
     def _finish_step(self) -> float:
-        named = list(self.model.named_parameters())
-        params = [p for _, p in named]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        tied = self._tied_weight()
-        if tied is not None:  # the first stage's embedding and the last stage's copy train as one weight
-            dist.all_reduce(tied.grad, group=ps.get_embedding_group())
-        if self.tp > 1:
-            # q/k norms are replicated but each TP rank applies them to its own heads only, and under
-            # sequence parallelism the layer norms to its own tokens only: their gradients are partial
-            # sums over the group (megatron's finalize_model_grads does the same)
-            for name, p in named:
-                if "q_layernorm" in name or "k_layernorm" in name or getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=self.tp_group)
-        # MoE experts: each EP rank holds its own, reduced over the expert-data-parallel group (the ranks
-        # holding the same experts: under TP + SP every TP rank, each having routed its own part of the
-        # sequence); their gradients already carry every EP rank's tokens (the all-to-all)
-        for p in params:
-            group = self._replica_group(p)
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(p.grad, group=group)
-        for p in params:
-            p.grad.div_(self.world_size)
-        # global norm: TP shards summed over the group, replicated parameters once, experts summed over EP
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        sq_experts = torch.zeros((), dtype=torch.float32, device=self.device)
-        for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
-                if param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
-                    (sq_experts if moe.is_expert(name) else sq).add_(p.grad.float().pow(2).sum())
-        if self.ep > 1:
-            dist.all_reduce(sq_experts, group=ps.get_expert_model_parallel_group())
-        sq += sq_experts
-        if self.tp * self.pp > 1:
-            dist.all_reduce(sq, group=self.mp_group)
-        grad_norm = float(sq.sqrt())
+        grads.reduce_gradients(self.chunks, self._replica_group, self.world_size, self.tp_group, self.pp)
+        grad_norm = grads.global_norm(self.chunks, self.device,
+                                      ps.get_expert_model_parallel_group() if self.ep > 1 else None, self.mp_group)
         if math.isfinite(grad_norm):
             coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
             if coef < 1.0:
-                for p in params:
+                for p in self.model.parameters():
                     p.grad.mul_(coef)
         return self._step_if_finite(grad_norm)
-
-    def _tied_weight(self) -> Tensor | None:
-        """This rank's copy of a tied embedding shared between the first and the last pipeline stage."""
-        if self.pp == 1 or not ps.is_rank_in_embedding_group(ignore_virtual=True):
-            return None
-        chunk = self.chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else self.chunks[-1]
-        if not chunk.share_embeddings_and_output_weights:
-            return None
-        return chunk.shared_embedding_or_output_weight()
 
     # ------------------------------------------------------------ weights
 

@@ -521,6 +521,39 @@ def policy_routing(backend, model, mb):
         yield backend.last_routing
 
 
+def routed_tp_forward(backend, mb, tokens, lengths, s: int, e: int, *, with_entropy: bool, entropy_grad: bool,
+                      count: bool = False, aux_scale: float | None = None):
+    """The policy's forward of the TP group's micro-batch `tokens` (this rank's samples [s, e)) under
+    TP + sequence parallelism, where each TP rank's routers see their part of the sequence: the
+    group's experts replayed (R2/R3), the routing recorded (`backend.last_routing`, this rank's
+    samples, R2), with `count` the usage metrics, with `aux_scale` the load-balancing loss term of
+    this rank's tokens (else None). (per-sample log-probs, entropies, aux term). Collective over TP."""
+    routing, group = backend.routing, backend.tp_group
+    routed = [group_routed(mb, group)]
+    m = backend.seq_multiple
+    shape = (len(tokens), -(-max(len(t) for t in tokens) // m) * m)
+    with routing.routing_pass(routed, count=count, capture=True, aux_logits=aux_scale is not None) as rp:
+        routing.before_forward(0, [len(t) for t in tokens], shape, False)
+        lps, ents = backend._forward(backend.model, tokens, lengths, with_entropy=with_entropy,
+                                     entropy_grad=entropy_grad)
+    width = max((len(t) for t in mb.tokens), default=0)
+    backend.last_routing = routing.joined_recording(rp, 0, shape, (s, e), width, group)
+    aux = routing.local_aux_term(rp, 0, sum(len(t) for t in tokens), aux_scale, group) \
+        if aux_scale is not None else None
+    return lps, ents, aux
+
+
+def group_routed(mb, group) -> list | None:
+    """The experts to replay (R2/R3) for every sample of the group's micro-batch (the ranks'
+    micro-batches in group-rank order, as the backend joins them), or None when no sample has any.
+    Collective over the group."""
+    mine = list(mb.routed_experts) if mb.routed_experts is not None else [None] * len(mb.tokens)
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, mine, group=group)
+    flat = [r for part in parts for r in part]
+    return flat if any(r is not None for r in flat) else None
+
+
 def routing_layout(mb) -> tuple[list[int], bool, int]:
     """How megatron's routers see a micro-batch (slime's order): right-padded rows of the longest sample."""
     lens = [len(t) for t in mb.tokens]

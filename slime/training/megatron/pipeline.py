@@ -21,7 +21,7 @@ pipeline sends and receives: a round trip to the owners there would deadlock. So
 This costs one extra forward per step. megatron's loss scaling is switched off for it
 (`calculate_per_token_loss`: the surrogate is returned unscaled; slime's loss already carries
 its token weights). Gradient reduction over data-parallel ranks and the tied embedding stays
-with the backend (`MegatronBackend._finish_step`).
+with the backend (`grads.py`).
 """
 
 from __future__ import annotations
