@@ -83,18 +83,11 @@ def validate_moe(args) -> None:
 
 
 def _validate_moe_layout(args) -> None:
-    """What the megatron backend does not build yet for a mixture-of-experts model, one line each:
-    tensor parallelism without sequence parallelism (megatron's MoE layers require it) or together
-    with pipeline or expert parallelism."""
+    """Tensor parallelism for a mixture-of-experts model on the megatron backend needs sequence
+    parallelism (megatron's MoE layers require it), one line."""
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     if args.train_backend != "megatron" or tp == 1 or not is_moe_checkpoint(args.hf_checkpoint):
         return
-    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     _require(args.sequence_parallel, f"--tensor-model-parallel-size {tp} with a mixture-of-experts model needs "
                                      "--sequence-parallel (megatron-core's MoE layers train under tensor "
                                      "parallelism only with it)")
-    others = [f for f, on in ((f"--pipeline-model-parallel-size {pp}", pp > 1),
-                              (f"--expert-model-parallel-size {ep}", ep > 1)) if on]
-    _require(not others, f"--tensor-model-parallel-size {tp} with {others[0] if others else ''} for a "
-                         "mixture-of-experts model on --train-backend megatron is not built yet")

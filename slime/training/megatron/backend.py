@@ -251,7 +251,7 @@ class MegatronBackend(StepTail):
         """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i]."""
         if not tokens:
             if self.ep > 1:  # the other EP ranks' token dispatch needs this rank
-                moe.idle_forward(model, self.device, backward=False)
+                moe.idle_forward(model, self.device, backward=False, seq_len=self.seq_multiple)
             return [], []
         ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
         with shims.cpu_only_cuda_shims():
@@ -304,7 +304,7 @@ class MegatronBackend(StepTail):
                 [(lp, ent)] = self.pipeline.forward(self.chunks, [(tokens, lengths)], with_entropy=with_entropy)
             self.last_routing = self.routing.joined_recording(
                 routing_pass, 0, self.pipeline.shape(self.pipeline.padded([(tokens, lengths)])), (s, e),
-                max(len(t) for t in mb.tokens) if mb.tokens else 0, ps.get_pipeline_model_parallel_group())
+                max(len(t) for t in mb.tokens) if mb.tokens else 0, self.mp_group)
         a, b = sum(lengths[:s]), sum(lengths[:e])
         return lp[a:b], ent[a:b] if with_entropy else None
 
@@ -356,13 +356,14 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             self._pipeline_backward(micro_batches, loss_fn, entropy_grad)
             return self._finish_step()
-        group = ps.get_expert_model_parallel_group() if self.ep > 1 else self.tp_group  # MoE: TP 1
+        # expert parallelism: every rank runs as many micro-batches (its EP ranks dispatch to each other)
+        group = None if self.ep > 1 else self.tp_group
         for k in range(self._group_max(n_local, group)):
             mb = micro_batches[k] if k < n_local else MicroBatch([], [])
             if self.tp == 1:
                 if not mb.tokens:
                     if self.ep > 1:  # the other EP ranks' token dispatch (forward and backward) needs this rank
-                        moe.idle_forward(self.model, self.device, backward=True)
+                        moe.idle_forward(self.model, self.device, backward=True, seq_len=self.seq_multiple)
                     continue
                 if self.value_head:  # the critic (dense models only: no routing)
                     loss_fn(k, self.forward_values(mb, grad=True), None).backward()
@@ -385,10 +386,14 @@ class MegatronBackend(StepTail):
         every gradient is divided by the world size, and the group's micro-batch holds its tp ranks'
         samples), each TP rank's term over its part of the sequence."""
         tokens, lengths, s, e = self._gather_tp(mb)
+        if not tokens:  # no sample in the TP group; the other EP ranks' token dispatch needs this rank
+            if self.ep > 1:
+                moe.idle_forward(self.model, self.device, backward=True, seq_len=self.seq_multiple)
+            return
         aux = None
         if self.value_head:  # the critic: values in place of log-probs, no entropy
             lps, ents = self._values(self.model, tokens, lengths), None
-        elif self._moe_routing() and tokens:
+        elif self._moe_routing():
             scale = self.tp / n_group if self.routing.aux_coef > 0 else None
             lps, ents, aux = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=True,
                                                      entropy_grad=entropy_grad, count=True, aux_scale=scale)
@@ -452,10 +457,11 @@ class MegatronBackend(StepTail):
             scores = self.pipeline.forward(self.chunks, batches, with_entropy=not self.value_head)
         upstream = [self._upstream(k, lp, ent, lengths, s, e, loss_fn, entropy_grad, k < n_local, self.mp_group)
                     for k, ((_, lengths, s, e), (lp, ent)) in enumerate(zip(gathered, scores))]
-        # --moe-aux-loss-coeff: the mean over the micro-batches, as without PP (x pp: the backend divides
-        # every gradient by the world size, and one pipeline micro-batch holds its pp ranks' samples)
-        aux_terms = moe_routing.pipeline_aux(rp, batches, self.pp / len(batches),
-                                             ps.get_pipeline_model_parallel_group()) if aux else None
+        # --moe-aux-loss-coeff: the mean over the micro-batches, as without PP (x tp x pp: the backend
+        # divides every gradient by the world size, and one pipeline micro-batch holds its tp x pp ranks'
+        # samples); under TP + SP each rank routes its part of the sequence: counts summed over TP x PP
+        aux_terms = moe_routing.pipeline_aux(rp, batches, self.tp * self.pp / len(batches),
+                                             self.mp_group) if aux else None
         # MoE: the same replay, the load-balancing loss and the usage metrics of the training pass
         with moe_routing.routing_pass(routed, count=True, aux=aux_terms) if moe_routing \
                 else contextlib.nullcontext():

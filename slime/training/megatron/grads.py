@@ -66,17 +66,23 @@ def reduce_gradients(chunks: list, replica_group: Callable, world_size: int, tp_
 
 def global_norm(chunks: list, device, ep_group, mp_group) -> float:
     """The gradient norm of the whole model: TP shards summed over the model-parallel group (TP x PP),
-    replicated weights and a tied embedding's last-stage copy once, experts summed over the EP group
-    (`ep_group`; None without expert parallelism)."""
+    replicated weights and a tied embedding's last-stage copy once. MoE experts (whole on every rank
+    that holds them: expert tensor parallelism 1): each EP rank's own summed over the EP group
+    (`ep_group`; None without expert parallelism), which lies within a pipeline stage, and counted
+    once per stage (by its TP rank 0; the other TP ranks hold the same experts, or, when the EP group
+    is the TP group, have just summed theirs into it)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     sq_experts = torch.zeros((), dtype=torch.float32, device=device)
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
-                (sq_experts if moe.is_expert(name) else sq).add_(p.grad.float().pow(2).sum())
+            if moe.is_expert(name):
+                sq_experts.add_(p.grad.float().pow(2).sum())
+            elif param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
+                sq.add_(p.grad.float().pow(2).sum())
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(sq_experts, group=ep_group)
-    sq += sq_experts
+    if ps.get_tensor_model_parallel_rank() == 0:
+        sq += sq_experts
     if dist.get_world_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
     return float(sq.sqrt())

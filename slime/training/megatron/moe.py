@@ -560,11 +560,13 @@ def routing_layout(mb) -> tuple[list[int], bool, int]:
     return lens, False, max(lens) if lens else 0
 
 
-def idle_forward(model, device, backward: bool) -> None:
+def idle_forward(model, device, backward: bool, seq_len: int = 1) -> None:
     """A rank with no samples under expert parallelism still joins the token dispatch (all-to-all)
-    of the other EP ranks' forward (and backward): one token, output unused (zero gradient)."""
-    ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+    of the other EP ranks' forward (and backward): `seq_len` tokens (the TP size under sequence
+    parallelism, which splits them over the TP group), output unused (zero gradient)."""
+    ids = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    pos = torch.arange(seq_len, device=device).unsqueeze(0)
     with torch.set_grad_enabled(backward), shims.cpu_only_cuda_shims():
-        out = model(ids, torch.zeros_like(ids), attention_mask=shims.causal_mask(1, device))
+        out = model(ids, pos, attention_mask=shims.causal_mask(seq_len, device))
         if backward:
             (out.sum() * 0.0).backward()

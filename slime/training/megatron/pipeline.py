@@ -139,6 +139,8 @@ class Pipeline:
             if self.before_forward is not None:
                 self.before_forward(k, [len(t) for t in batches[k][0]], tuple(ids.shape), batches[k] is FILLER)
             out = model(ids, pos, attention_mask=mask)
+            if not model.post_process:  # sent to the next stage: gloo sends contiguous tensors only, and an
+                out = out.contiguous()  # MoE layer's output under sequence parallelism was not
             return out, functools.partial(on_logits, k, ids, prompt_lens, lens)
 
         iters = [iter(inputs) for _ in chunks] if len(chunks) > 1 else iter(inputs)
