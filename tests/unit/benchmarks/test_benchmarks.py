@@ -77,3 +77,32 @@ def test_train_mfu_record(tiny_model_dir, tmp_path):
     assert rec["logged_train_model_tflops"] * 1e3 == pytest.approx(rec["achieved_gflops"], rel=0.05)
     assert rec["device"] == "cpu" and rec["cuda_peak_mb"] is None
     assert rec["matmul_gflops"] == max(rec["matmul_gflops_before_after"]) > 0
+
+
+def test_megatron_train_record(tmp_path):
+    """benchmarks/megatron_train.py on a small model: its records' tokens/s and step times agree, and
+    the pipeline bubble is measured for both schedule runs of the train step with the micro-batch
+    count the layout implies."""
+    pytest.importorskip("megatron.core")
+    import statistics
+
+    import megatron_train
+
+    out = tmp_path / "megatron.jsonl"
+    records = megatron_train.main(["--steps", "1", "--layers", "4", "--hidden", "128", "--samples", "8",
+                                   "--micro-batch-size", "1", "--layouts", "megatron,megatron PP 2 x VP 2",
+                                   "--json", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == json.loads(json.dumps(records))
+    one, vp = records
+    for rec in records:
+        assert rec["step_s"] == statistics.median(rec["steps_s"]) > 0
+        assert rec["tokens_per_s"] == rec["tokens"] / rec["step_s"]
+    assert (one["ranks"], vp["ranks"]) == (1, 2) and "bubble" not in one
+    assert vp["vs_first"] == vp["tokens_per_s"] / one["tokens_per_s"]
+    logprobs, train = vp["bubble"]
+    assert (logprobs["kind"], train["kind"]) == ("log-probs", "train")
+    # 8 samples over 2 ranks, 1 per micro-batch: 4 pipeline micro-batches of both ranks' samples
+    assert logprobs["microbatches"] == train["microbatches"] == 4
+    assert train["ideal"] == 1 / (2 * 4 + 1)  # interleaved: (p - 1) / (v m + p - 1)
+    for p in (logprobs, train):
+        assert len(p["bubble_per_stage"]) == 2 and all(0 <= b < 1 for b in p["bubble_per_stage"])

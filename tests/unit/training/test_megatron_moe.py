@@ -231,8 +231,10 @@ LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", 2]),
            "tp2": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
            "ep2_pp2_vp2": (4, ["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
                                "--num-layers-per-virtual-pipeline-stage", 1]),
-           "tp2_pp2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--pipeline-model-parallel-size", 2]),
-           "tp2_ep2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-model-parallel-size", 2])}
+           "tp2_pp2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                           "--pipeline-model-parallel-size", 2]),
+           "tp2_ep2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                           "--expert-model-parallel-size", 2])}
 
 
 @pytest.fixture(scope="module")
