@@ -19,3 +19,12 @@ def sharp_model_dir(tiny_model_dir, tmp_path_factory):
     m.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    """(adapter url, FakeVllm, AdapterState) served from a background event loop (tests/helpers/fake_vllm.py)."""
+    from tests.helpers.fake_vllm import serve_adapter
+
+    with serve_adapter(tmp_path) as served:
+        yield served

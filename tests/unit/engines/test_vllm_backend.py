@@ -4,18 +4,12 @@ against a small fake vLLM server (fast, no vLLM needed); plus an e2e test on rea
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from slime.engines.protocol import ProtocolError, parse_generate_request
 from slime.engines.vllm.launch import (
@@ -37,7 +31,7 @@ from slime.engines.vllm.translate import (
 )
 from slime.utils.errors import SlimeConfigError
 from tests.helpers.args import make_args
-from tests.helpers.http import AUTH
+from tests.helpers.fake_vllm import http
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -221,152 +215,7 @@ def test_safetensors_header_check():
 
 
 # ---------------------------------------------------------------- the adapter against a fake vLLM
-
-
-class FakeVllm:
-    """Just enough of vLLM's OpenAI server (dev mode) to drive the adapter: completions answer
-    ids prompt[-1]+1, +2, ... with log-prob -0.25 each; everything received is recorded."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, object]] = []
-        self.rpc_files_existed: list[bool] = []
-        self.loras: dict[str, str] = {}
-        self.gate: threading.Event | None = None  # when set, completions wait for it
-
-    async def models(self, request):
-        return web.json_response({"data": [{"id": "slime", "max_model_len": 64}]})
-
-    async def health(self, request):
-        return web.Response()
-
-    async def completions(self, request):
-        body = await request.json()
-        self.calls.append(("/v1/completions", body))
-        if body["model"] != "slime" and body["model"] not in self.loras:
-            return web.json_response({"error": {"message": f"The model `{body['model']}` does not exist.",
-                                                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
-        if self.gate is not None:
-            await asyncio.to_thread(self.gate.wait, 20)
-        if body["temperature"] == 0.123:  # a request vLLM itself rejects
-            return web.json_response({"error": {"message": "bad temperature", "type": "BadRequestError",
-                                                "param": "temperature", "code": 400}}, status=400)
-        n = body["max_tokens"]
-        start = body["prompt"][-1] + 1
-        ids = [start + i for i in range(n)]
-        choice = {"index": 0, "text": " ".join(map(str, ids)), "token_ids": ids, "finish_reason": "length",
-                  "stop_reason": None}
-        if body.get("logprobs") is not None:
-            choice["logprobs"] = {"token_logprobs": [-0.25] * n, "tokens": [f"token_id:{t}" for t in ids]}
-        return web.json_response({"choices": [choice], "usage": {"prompt_tokens": len(body["prompt"]),
-                                                                 "completion_tokens": n}})
-
-    async def load_lora(self, request):
-        """vLLM's answers: plain text on success, OpenAI-shaped errors."""
-        body = await request.json()
-        self.calls.append(("/v1/load_lora_adapter", body))
-        if not os.path.exists(os.path.join(body["lora_path"], "adapter_config.json")):
-            return web.json_response({"error": {"message": f"Loading lora {body['lora_name']} failed: No adapter "
-                                                           f"found for {body['lora_path']}", "type": "NotFoundError",
-                                                "param": None, "code": 404}}, status=404)
-        self.loras[body["lora_name"]] = body["lora_path"]
-        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
-
-    async def unload_lora(self, request):
-        body = await request.json()
-        self.calls.append(("/v1/unload_lora_adapter", body))
-        if self.loras.pop(body["lora_name"], None) is None:
-            return web.json_response({"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be found.",
-                                                "type": "NotFoundError", "param": None, "code": 404}}, status=404)
-        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
-
-    async def rpc(self, request):
-        body = await request.json()
-        self.calls.append(("/collective_rpc", body))
-        method, args = body["method"], body["args"]
-        if method == "slime_init_weights_update_group":
-            return web.json_response({"results": [{"rank": args[2]}]})
-        if method == "slime_receive_weights":
-            return web.json_response({"results": [{"num_tensors": len(args[1])}]})
-        if method == "slime_destroy_weights_update_group":
-            return web.json_response({"results": [{"destroyed": True}]})
-        self.rpc_files_existed.append(all(os.path.exists(p) for p in body["args"]))
-        n = 0
-        if body["method"] == "slime_load_weights":
-            n = sum(len(safetensors_names(Path(p).read_bytes())) for p in body["args"])
-        return web.json_response({"results": [{"num_tensors": n, "num_files": len(body["args"])}]})
-
-    async def record(self, request):
-        raw = await request.read()
-        self.calls.append((request.path + (f"?{request.query_string}" if request.query_string else ""),
-                           json.loads(raw) if raw else None))
-        if request.path == "/abort_requests":
-            return web.json_response({"status": "aborted", "aborted": 1})
-        if request.path == "/reset_prefix_cache":
-            return web.json_response({"success": True})
-        return web.json_response({"status": "ok"})
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/collective_rpc", self.rpc)
-        app.router.add_post("/v1/load_lora_adapter", self.load_lora)
-        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora)
-        for path in ("/abort_requests", "/pause", "/resume", "/reset_prefix_cache", "/sleep", "/wake_up"):
-            app.router.add_post(path, self.record)
-        return app
-
-
-@pytest.fixture
-def adapter(tmp_path):
-    """(adapter url, FakeVllm, AdapterState) served from a background event loop."""
-    from slime.engines.vllm.adapter import AdapterState, create_app
-    from slime.utils.net import free_port
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 50}))
-    fake = FakeVllm()
-    up_port, port = free_port(), free_port()
-    state = AdapterState(f"http://127.0.0.1:{up_port}", str(model), weights_dir=str(tmp_path / "w"), lora=True)
-    os.makedirs(state.weights_dir)
-    loop = asyncio.new_event_loop()
-    runners = []
-    started = threading.Event()
-
-    async def start():
-        for app, p in ((fake.app(), up_port), (create_app(state), port)):
-            r = web.AppRunner(app)
-            await r.setup()
-            await web.TCPSite(r, "127.0.0.1", p).start()
-            runners.append(r)
-        started.set()
-
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
-    thread.start()
-    assert started.wait(20)
-    yield f"http://127.0.0.1:{port}", fake, state
-
-    async def stop():
-        for r in reversed(runners):
-            await r.cleanup()
-
-    asyncio.run_coroutine_threadsafe(stop(), loop).result(20)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-
-
-def http(url, path, body=None, raw=None, method=None):
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    ctype = "application/octet-stream" if raw is not None else "application/json"
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": ctype, **AUTH})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+# (tests/helpers/fake_vllm.py; the `adapter` fixture is in conftest.py)
 
 
 def test_adapter_generate(adapter):
@@ -503,115 +352,6 @@ def test_adapter_sleep_mode_maps_to_vllm_sleep(adapter):
     assert http(url, "/resume_memory_occupation", {"tags": ["gpu"]})[1]["error"]["param"] == "tags"
 
 
-# ---------------------------------------------------------------- LoRA adapters through the adapter
-
-
-def peft_dir(path: Path) -> str:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
-    return str(path)
-
-
-def test_adapter_loads_selects_and_unloads_lora_adapters(adapter, tmp_path):
-    """SGLang's /load_lora_adapter and /unload_lora_adapter map onto vLLM's /v1/ routes; /generate's
-    lora_path names the completions request's model (vLLM's way to select an adapter)."""
-    url, fake, state = adapter
-    a1, a2 = peft_dir(tmp_path / "a1"), peft_dir(tmp_path / "a2")
-    status, out = http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a1, "pinned": False})
-    assert status == 200 and out == {"success": True, "error_message": None, "loaded_adapters": {"v1": a1}}
-    assert fake.calls[-1] == ("/v1/load_lora_adapter", {"lora_name": "v1", "lora_path": a1})
-    status, out = http(url, "/load_lora_adapter", {"lora_name": "v2", "lora_path": a2})
-    assert status == 200 and out["loaded_adapters"] == {"v1": a1, "v2": a2}
-
-    gen = {"input_ids": [4, 5], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}
-    status, out = http(url, "/generate", {**gen, "lora_path": "v1"})
-    assert status == 200 and out["output_ids"] == [6, 7] and fake.calls[-1][1]["model"] == "v1"
-    http(url, "/generate", gen)
-    assert fake.calls[-1][1]["model"] == "slime"  # no lora_path: the base model
-    # the batch form: one adapter (or None: the base) per prompt, or one for all
-    status, outs = http(url, "/generate", {"input_ids": [[1], [2], [3]], "lora_path": ["v2", None, "v1"],
-                                           "sampling_params": {"max_new_tokens": 1}})
-    assert status == 200 and [o["output_ids"] for o in outs] == [[2], [3], [4]]
-    assert sorted(c[1]["model"] for c in fake.calls[-3:]) == ["slime", "v1", "v2"]
-    status, outs = http(url, "/generate", {"input_ids": [[1], [2]], "lora_path": "v2",
-                                           "sampling_params": {"max_new_tokens": 1}})
-    assert status == 200 and [c[1]["model"] for c in fake.calls[-2:]] == ["v2", "v2"]
-
-    status, out = http(url, "/unload_lora_adapter", {"lora_name": "v1"})
-    assert status == 200 and out == {"success": True, "error_message": None, "loaded_adapters": {"v2": a2}}
-    assert fake.calls[-1] == ("/v1/unload_lora_adapter", {"lora_name": "v1"})
-    assert state.lora_adapters == {"v2": a2} and fake.loras == {"v2": a2}
-    # a name can be loaded again once unloaded
-    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a2})[0] == 200
-
-
-@pytest.mark.parametrize("path,body,field,message", [
-    ("/load_lora_adapter", {"lora_name": "v1", "lora_path": "{a1}"}, "lora_name", "already loaded"),
-    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"}, "lora_path", "not a directory"),
-    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "{empty}"}, "lora_path", "No adapter found"),  # vLLM's 404
-    ("/load_lora_adapter", {"lora_name": "x"}, "lora_path", "non-empty string"),
-    ("/load_lora_adapter", {"lora_name": "x", "lora_path": "{a1}", "pinned": "yes"}, "pinned", "boolean"),
-    ("/unload_lora_adapter", {"lora_name": "nope"}, "lora_name", "no LoRA adapter named 'nope'"),
-    ("/unload_lora_adapter", {}, "lora_name", "non-empty string"),
-    ("/generate", {"input_ids": [1], "lora_path": "nope", "sampling_params": {"max_new_tokens": 1}}, "lora_path",
-     "no LoRA adapter named 'nope' is loaded (loaded: v1)"),
-    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["v1", "nope"], "sampling_params": {"max_new_tokens": 1}},
-     "lora_path[1]", "'nope'"),
-    ("/generate", {"input_ids": [[1], [2]], "lora_path": ["v1"]}, "lora_path", "one entry per prompt"),
-])
-def test_adapter_lora_errors_are_400_naming_the_field(adapter, tmp_path, path, body, field, message):
-    url, fake, state = adapter
-    a1 = peft_dir(tmp_path / "a1")
-    (tmp_path / "empty").mkdir()
-    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": a1})[0] == 200
-    body = {k: v.format(a1=a1, empty=tmp_path / "empty") if isinstance(v, str) else v for k, v in body.items()}
-    n = len(fake.calls)
-    status, out = http(url, path, body)
-    assert status == 400, out
-    assert out["error"]["param"] == field and message in out["error"]["message"], out
-    assert state.lora_adapters == {"v1": a1}
-    assert not [c for c in fake.calls[n:] if c[0] in ("/v1/completions", "/v1/unload_lora_adapter")]
-
-
-def test_adapter_without_lora_enabled_says_so(adapter, tmp_path):
-    url, fake, state = adapter
-    state.lora = False
-    status, out = http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": peft_dir(tmp_path / "a")})
-    assert status == 400 and "--enable-lora" in out["error"]["message"]
-    assert not [c for c in fake.calls if "lora" in c[0]]
-
-
-def test_unload_waits_for_the_adapters_running_requests(adapter, tmp_path):
-    """As SGLang: an unload refuses new requests for the adapter at once and reaches vLLM only after
-    the running ones have ended."""
-    url, fake, state = adapter
-    assert http(url, "/load_lora_adapter", {"lora_name": "v1", "lora_path": peft_dir(tmp_path / "a")})[0] == 200
-    fake.gate = threading.Event()
-    results = {}
-    gen = threading.Thread(target=lambda: results.update(gen=http(url, "/generate", {
-        "input_ids": [1], "lora_path": "v1", "sampling_params": {"max_new_tokens": 1}})))
-    gen.start()
-    deadline = time.monotonic() + 10
-    while not [c for c in fake.calls if c[0] == "/v1/completions"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    unload = threading.Thread(target=lambda: results.update(unload=http(url, "/unload_lora_adapter",
-                                                                        {"lora_name": "v1"})))
-    unload.start()
-    time.sleep(0.5)
-    assert unload.is_alive() and not [c for c in fake.calls if c[0] == "/v1/unload_lora_adapter"]
-    status, out = http(url, "/generate", {"input_ids": [1], "lora_path": "v1",  # refused at once
-                                          "sampling_params": {"max_new_tokens": 1}})
-    assert status == 400 and out["error"]["param"] == "lora_path"
-    fake.gate.set()
-    gen.join(10)
-    unload.join(10)
-    assert results["gen"][0] == 200 and results["unload"][0] == 200
-    assert results["unload"][1]["loaded_adapters"] == {}
-    assert fake.calls[-1] == ("/v1/unload_lora_adapter", {"lora_name": "v1"})  # after the request ended
-    assert [c[0] for c in fake.calls].count("/v1/completions") == 1 and fake.loras == {}
-
-
 def test_adapter_update_weight_version(adapter):
     url, fake, _ = adapter
     status, out = http(url, "/update_weight_version", {"new_version": "7"})
@@ -624,34 +364,6 @@ def test_adapter_update_weight_version(adapter):
     assert gen[1]["meta_info"]["weight_version"] == "8"
     status, out = http(url, "/update_weight_version", {})
     assert status == 400 and out["error"]["param"] == "new_version"
-
-
-def test_cpu_lora_ops_skip_base_rows():
-    """vLLM's CPU LoRA ops gather `weights[index]`, so a base-model token (index -1) got the last
-    adapter slot's delta; the worker extension wraps them so those rows add nothing."""
-    import torch
-
-    from slime.engines.vllm.worker import _skip_base_rows
-
-    def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling=1.0):  # vLLM 0.32's op
-        selected = lora_a_weights[lora_indices_tensor].to(dtype=output_tensor.dtype).squeeze(dim=1)
-        outputs = torch.einsum("bi, boi -> bo", inputs.to(dtype=output_tensor.dtype), selected)
-        output_tensor[:, : outputs.shape[1]] = scaling * outputs[:]
-
-    g = torch.Generator().manual_seed(0)
-    x, a = torch.randn(3, 4, generator=g), torch.randn(1, 1, 2, 4, generator=g)  # one adapter slot
-    idx = torch.tensor([0, -1, 0])
-    raw, fixed = torch.zeros(3, 2), torch.zeros(3, 2)
-    bgmv_shrink(x, a, raw, idx, 0.5)
-    op = _skip_base_rows(bgmv_shrink)
-    op(x, a, fixed, idx, 0.5)
-    assert raw[1].abs().sum() > 0  # the bug: the base row got slot 0's adapter
-    assert fixed[1].abs().sum() == 0 and torch.equal(fixed[[0, 2]], raw[[0, 2]])
-    assert _skip_base_rows(op) is op
-    every = torch.zeros(3, 2)
-    op(x, a, every, torch.zeros(3, dtype=torch.long), 0.5)  # no base rows: the op as it was
-    bgmv_shrink(x, a, raw, torch.zeros(3, dtype=torch.long), 0.5)
-    assert torch.equal(every, raw)
 
 
 def test_adapter_bodies_over_their_caps_are_413_before_they_are_read(adapter):
