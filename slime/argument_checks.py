@@ -26,6 +26,7 @@ from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 from slime.utils.pipeline_layout import PipelineLayout
 from slime.utils.reward_names import UNAVAILABLE_RM_TYPES, is_builtin, reward_name
+from slime.utils.yaml_fields import yaml_problem
 
 if TYPE_CHECKING:
     from slime.utils.args_namespace import Args
@@ -222,7 +223,9 @@ def _load_custom_config(args: Args, path: str) -> dict:
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as e:
-        raise SlimeConfigError(f"--custom-config-path {path}: not valid YAML ({e})") from None
+        line, why = yaml_problem(e)
+        at = f" (line {line})" if line is not None else ""
+        raise SlimeConfigError(f"--custom-config-path {path}: not valid YAML{at}: {why}") from None
     require(isinstance(config, dict), f"--custom-config-path {path}: must hold a mapping of names to values")
     for key in config:
         require(isinstance(key, str) and key.isidentifier(),

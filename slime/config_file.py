@@ -27,7 +27,7 @@ import yaml
 
 from slime.utils.errors import SlimeConfigError
 from slime.utils.flag_parsing import known_flags, similar_flag
-from slime.utils.yaml_fields import read_text
+from slime.utils.yaml_fields import read_text, yaml_problem
 
 CONFIG_FLAG = "--config"
 PRINT_FLAG = "--print-config"
@@ -85,12 +85,10 @@ def config_argv(path: str, parser: argparse.ArgumentParser, pass_through: tuple[
             value = loader.construct_document(value_node)
             out += _flag_argv(flag, key, value, where, parser, pass_through)
         return out
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        at = f":{mark.line + 1}" if mark is not None else ""
-        raise SlimeConfigError(f"{path}{at}: malformed YAML ({e.problem or e.context})") from None
     except yaml.YAMLError as e:
-        raise SlimeConfigError(f"{path}: malformed YAML ({str(e).splitlines()[0]})") from None
+        line, why = yaml_problem(e)
+        at = f":{line}" if line is not None else ""
+        raise SlimeConfigError(f"{path}{at}: malformed YAML ({why})") from None
     finally:
         loader.dispose()
 

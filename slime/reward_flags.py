@@ -38,6 +38,7 @@ import yaml
 
 from slime.utils.errors import SlimeConfigError
 from slime.utils.reward_names import RM_TYPES, UNAVAILABLE_RM_TYPES
+from slime.utils.yaml_fields import yaml_problem
 
 JUDGE_RM_TYPE = "llm_judge"
 DEFAULT_JUDGE_MODEL = "judge"
@@ -172,8 +173,12 @@ def load_judge_template(path: str) -> JudgeTemplate:
         raise SlimeConfigError(f"--judge-template {path}: file does not exist")
     try:
         raw = yaml.safe_load(file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise SlimeConfigError(f"--judge-template {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SlimeConfigError(f"--judge-template {path}: cannot read it ({e})") from None
+    except yaml.YAMLError as e:
+        line, why = yaml_problem(e)
+        at = f" (line {line})" if line is not None else ""
+        raise SlimeConfigError(f"--judge-template {path}: not valid YAML{at}: {why}") from None
     if not isinstance(raw, dict):
         raise SlimeConfigError(f"--judge-template {path}: must be a mapping with a `prompt:` field, got "
                                f"{type(raw).__name__}")

@@ -53,6 +53,14 @@ def _lines(node, field: Field, out: dict) -> None:
             _lines(item, field + (i,), out)
 
 
+def yaml_problem(e: yaml.YAMLError) -> tuple[int | None, str]:
+    """The line (1-based; None where the parser gives none) and the reason of a YAML parse error."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        return (mark.line + 1 if mark is not None else None), f"{e.problem or e.context}"
+    return None, str(e).splitlines()[0]
+
+
 def read_text(flag: str, path: str) -> str:
     """The text of the file `flag` names; a missing or unreadable file is one line."""
     file = Path(path)
@@ -77,12 +85,10 @@ class YamlFile:
         try:
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else None
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark or e.context_mark
-            line = f" (line {mark.line + 1})" if mark is not None else ""
-            raise SlimeConfigError(f"{flag} {path}: not valid YAML{line}: {e.problem or e.context}") from None
         except yaml.YAMLError as e:
-            raise SlimeConfigError(f"{flag} {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+            line, why = yaml_problem(e)
+            at = f" (line {line})" if line is not None else ""
+            raise SlimeConfigError(f"{flag} {path}: not valid YAML{at}: {why}") from None
         finally:
             loader.dispose()
         lines: dict = {}

@@ -251,6 +251,10 @@ def test_custom_config_becomes_args(tiny_model_dir, tmp_path):
     cfg.write_text("- a\n- b\n")
     with pytest.raises(SlimeConfigError, match="must hold a mapping"):
         _args(tiny_model_dir, tmp_path, "--custom-config-path", cfg)
+    cfg.write_text("a: 1\nb: [2,\n")  # malformed: one line naming the file and the line
+    with pytest.raises(SlimeConfigError, match=r"^--custom-config-path .*c\.yaml: not valid YAML \(line 3\): ") as e:
+        _args(tiny_model_dir, tmp_path, "--custom-config-path", cfg)
+    assert "\n" not in str(e.value)
 
 
 def test_eval_only_and_skip_flags(tiny_model_dir, tmp_path):

@@ -337,7 +337,7 @@ def test_no_template(tiny_model_dir):
 
 
 BAD_TEMPLATES = [
-    ("prompt: [unclosed", "not valid YAML"),
+    ("prompt: [unclosed", "not valid YAML (line 1): "),
     ("- a list", "must be a mapping with a `prompt:` field, got list"),
     ("", "must be a mapping with a `prompt:` field, got NoneType"),
     ("system: hi", "prompt: required"),
