@@ -169,7 +169,7 @@ def build_tiny_vl_model(output_dir: str | Path, seed: int = 0) -> Path:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=num_hidden_layers,
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]},
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
