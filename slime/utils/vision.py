@@ -42,12 +42,15 @@ class ImageError(ValueError):
     """An image that cannot be read; the message names it."""
 
 
-def describe(src: Any) -> str:
-    """A short name for an image source in messages (base64 is cut)."""
+def describe(src: Any, path: bool = False) -> str:
+    """A short name for an image source in messages: base64 and data: URLs cut after their start; a
+    `path` (or file:// URL) cut before its end, which names the file."""
     if isinstance(src, (bytes, bytearray)):
         return f"<{len(src)} bytes>"
     s = str(src)
-    return s if len(s) <= 80 else s[:60] + f"...({len(s)} chars)"
+    if len(s) <= 80:
+        return s
+    return f"...{s[-70:]}" if path else s[:60] + f"...({len(s)} chars)"
 
 
 def image_bytes(src: Any) -> bytes:
@@ -69,12 +72,12 @@ def image_bytes(src: Any) -> bytes:
     path = Path(src[len("file://"):] if src.startswith("file://") else src)
     if src.startswith("file://") or (len(src) < 4096 and path.is_file()):
         if not path.is_file():
-            raise ImageError(f"image {describe(src)}: no such file")
+            raise ImageError(f"image {describe(src, path=True)}: no such file")
         return path.read_bytes()
     if len(src) >= 64 and _BASE64.fullmatch(src):
         return _b64(src, src)
     if len(src) < 4096 and (path.suffix or "/" in src):
-        raise ImageError(f"image {describe(src)}: no such file")
+        raise ImageError(f"image {describe(src, path=True)}: no such file")
     return _b64(src, src)
 
 
@@ -106,7 +109,7 @@ def inline_source(src: Any) -> Any:
     try:
         st = path.stat()
     except OSError:
-        raise ImageError(f"image {describe(src)}: no such file") from None
+        raise ImageError(f"image {describe(src, path=True)}: no such file") from None
     return _file_data_url(str(path), st.st_mtime_ns, st.st_size)
 
 

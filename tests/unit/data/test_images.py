@@ -16,7 +16,7 @@ from slime.data.source import prompt_sample
 from slime.rollout.train_data import to_train_batch
 from slime.types import Sample
 from slime.utils.errors import DataError, SlimeConfigError
-from slime.utils.vision import ImageError, image_bytes, inline_source
+from slime.utils.vision import ImageError, describe, image_bytes, inline_source
 from tests.helpers.args import make_args
 
 KEYS = {"image": "images"}
@@ -114,8 +114,8 @@ def test_local_files_travel_as_their_bytes(tiny_vl_model_dir, tmp_path):
     assert inline_source(b64) is b64 and inline_source(url) is url
     red.write_bytes(_png((0, 255, 0), (64, 56)))  # a rewritten file is read again
     assert image_bytes(inline_source(str(red))) == red.read_bytes()
-    with pytest.raises(ImageError, match="image file://.*: no such file"):  # a long path is cut in the message
-        inline_source(f"file://{tmp_path}/missing.png")
+    with pytest.raises(ImageError, match=r"image (file://|\.\.\.).*/missing\.png: no such file"):  # a long path
+        inline_source(f"file://{tmp_path}/missing.png")  # is cut before its end, which names the file
     # the train batch: local files inlined, the samples themselves keep their paths
     args = make_args(tiny_vl_model_dir, tmp_path, "--apply-chat-template", "--multimodal-keys", json.dumps(KEYS))
     samples = [Sample(tokens=[1, 2, 3], response_length=1, loss_mask=[1], reward=1.0, rollout_log_probs=[-0.5],
@@ -125,3 +125,14 @@ def test_local_files_travel_as_their_bytes(tiny_vl_model_dir, tmp_path):
     batch = to_train_batch(args, samples, None)
     assert batch.images == [[inline_source(str(red)), b64], None]
     assert samples[0].images == [str(red), b64]
+
+
+def test_a_long_missing_path_is_named_by_its_end_and_base64_by_its_start(tmp_path):
+    """Messages cut long sources: a path keeps the end that names the file (however long the temporary
+    directory is), base64 keeps its start and says how long it was."""
+    deep = tmp_path.joinpath(*["d" * 30] * 4, "nope.png")
+    with pytest.raises(ImageError, match=r"^image \.\.\..*/nope\.png: no such file$"):
+        image_bytes(str(deep))
+    assert describe(str(deep), path=True).endswith("/nope.png") and len(describe(str(deep), path=True)) == 73
+    b64 = "QUJD" * 40
+    assert describe(b64) == b64[:60] + "...(160 chars)"
