@@ -510,9 +510,6 @@ def validate(args: Args) -> Args:
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")
     require(not args.fp16, "--fp16 needs loss scaling, which slime does not implement; use --bf16")
-    require(not (args.bf16 and args.train_backend == "megatron"),
-            "--bf16 with --train-backend megatron is not built yet (it needs megatron's fp32 main-parameter "
-            "optimizer); use --train-backend fsdp")
     require(not (args.optimizer_cpu_offload and args.train_backend == "megatron"),
             "--optimizer-cpu-offload with --train-backend megatron needs megatron's distributed optimizer, which "
             "slime's megatron backend does not use yet; use --train-backend fsdp")

@@ -294,7 +294,6 @@ def test_fsdp_bf16_step_is_close_to_fp32_with_fp32_master_weights(tiny_model_dir
 @pytest.mark.parametrize("flags, message", [
     (["--bf16", "--fp16"], "--bf16 and --fp16: give one"),
     (["--fp16"], "--fp16 needs loss scaling, which slime does not implement; use --bf16"),
-    (["--bf16", "--train-backend", "megatron"], "--bf16 with --train-backend megatron is not built yet"),
 ])
 def test_bad_precision_flags_are_one_line(tiny_model_dir, tmp_path, flags, message):
     with pytest.raises(SlimeConfigError) as e:

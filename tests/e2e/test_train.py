@@ -1,5 +1,6 @@
 """End-to-end runs of train.py and the quickstart on the tiny model (Ray + engine + trainer)."""
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -133,17 +134,25 @@ def test_two_train_ranks_and_two_engines(task, tmp_path):
         assert rec["train/train_rollout_logprob_abs_diff"] < 1e-3
 
 
-def test_bf16_trains_and_pushes_half_the_bytes(task, reference_run, tmp_path):
-    """--bf16: bf16 compute with fp32 master weights; the native engine serves bf16, each push is
-    half the fp32 reference run's bytes and is checked bit for bit in the engine's dtype; the
-    train-vs-rollout log-prob gap stays logged (and small) and TIS runs on it."""
+MEGATRON_PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+
+
+NEEDS_MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+
+
+@pytest.mark.parametrize("backend", [[], pytest.param(MEGATRON_PP2, marks=NEEDS_MEGATRON)], ids=["fsdp", "megatron_pp2"])
+def test_bf16_trains_and_pushes_half_the_bytes(task, reference_run, tmp_path, backend):
+    """--bf16: bf16 compute with fp32 master weights (FSDP2's mixed precision; megatron: bf16
+    parameters with fp32 main copies, two pipeline stages sending bf16 activations); the native
+    engine serves bf16, each push is half the fp32 reference run's bytes and is checked bit for bit
+    in the engine's dtype; the train-vs-rollout log-prob gap stays logged (and small) and TIS runs on it."""
     out = tmp_path / "out"
     reward = tmp_path / "reward.py"  # a reward that varies within a group, so every rollout trains
     reward.write_text("def reward(args, sample):\n    text = sample.response or ''\n"
                       "    return sum(c.isdigit() for c in text) / max(1, len(text))\n")
     proc = run(shape_cmd(task, out, "--seed", "7", "--num-rollout", "2", "--bf16", "--use-tis",
                          "--check-weight-update-equal", "--custom-rm-path", f"{reward}:reward",
-                         "--rollout-max-response-len", "8"))
+                         "--rollout-max-response-len", "8", *backend))
     assert proc.returncode == 0, proc.stderr[-3000:]
     bf16, fp32 = records(out), records(reference_run["out"])
     assert [r["weights/bytes"] for r in bf16] == [fp32[0]["weights/bytes"] / 2] * 2

@@ -4,7 +4,9 @@ like FSDPBackend. This module imports megatron-core at the top: the trainer impo
 
 Model: a megatron-core GPTModel (local layer spec) built from the HF config and filled from
 the HF checkpoint (`model.py`, `weights.py`), fp32 master weights, kept in eval mode
-(no dropout), so a no-grad pass and a training pass give identical log-probs.
+(no dropout), so a no-grad pass and a training pass give identical log-probs. With --bf16 the
+parameters compute in bf16 and their fp32 main copies are what the optimizer, the gradient
+reduction and checkpoints see (precision.py); the reference and teacher models are bf16 only.
 
 Parallelism. Every train rank (TrainGroup actor) keeps its own samples, exactly as with
 FSDP, so the actor's data split, loss scaling and metrics do not change. Ranks are laid out
@@ -52,6 +54,7 @@ from slime.training.megatron import critic, grads, moe, shims
 from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
 from slime.training.megatron.model import PipelineLayout, build_model
 from slime.training.megatron.optimizer import ShardedAdamW
+from slime.training.megatron.precision import MainParams
 from slime.training.megatron.pipeline import (
     FILLER,
     Pipeline,
@@ -149,9 +152,12 @@ class MegatronBackend(StepTail):
             self.hf_config, hf_state = critic.hf_state(args.hf_checkpoint)
         else:
             hf_state = self._hf_state(args.hf_checkpoint)
-        self.model = self._build(hf_state, recompute=True, value_head=value_head)
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float32
+        self.model = self._build(hf_state, recompute=True, value_head=value_head, load_dtype=torch.float32)
         if args.freeze_params_name_list and not value_head:  # megatron-core's parameter names; these never train
             freeze_parameters(self.model, args.freeze_params_name_list)
+        # --bf16: bf16 parameters compute, fp32 main copies train (precision.py)
+        self.main_params = MainParams(self.chunks, self.dtype) if args.bf16 else None
         # MoE: the load-balancing loss, expert usage and routing replay of the policy's forwards
         self.routing = moe.MegatronRouting(self.model, args.moe_aux_loss_coeff, self.hf_config.num_hidden_layers) \
             if moe.is_moe(self.hf_config) \
@@ -207,10 +213,11 @@ class MegatronBackend(StepTail):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return {k: v.detach() for k, v in hf.state_dict().items()}
 
-    def _build(self, hf_state, recompute: bool, value_head: bool = False):
+    def _build(self, hf_state, recompute: bool, value_head: bool = False, load_dtype: torch.dtype | None = None):
         """This rank's model chunk(s) with the checkpoint's weights (a ModuleList of the chunks with
         virtual pipeline stages); `recompute`: with --recompute-* (the trained model); `value_head`:
-        the critic (critic.py), from a token-classification state dict."""
+        the critic (critic.py), from a token-classification state dict; computing in `self.dtype`,
+        with parameters of `load_dtype` (default `self.dtype`)."""
         args = self.args
         chunks = []
         config = critic.build_config(self.hf_config) if value_head else self.hf_config
@@ -220,7 +227,8 @@ class MegatronBackend(StepTail):
                                     vocab_divisible_by=args.make_vocab_size_divisible_by,
                                     recompute=(args.recompute_granularity, args.recompute_method,
                                                args.recompute_num_layers) if recompute else (None, None, None),
-                                    layout=self.layout, vp_stage=vp_stage, ep=self.ep)
+                                    layout=self.layout, vp_stage=vp_stage, ep=self.ep, dtype=self.dtype,
+                                    load_dtype=load_dtype)
             if value_head:
                 critic.attach_value_head(model, self.hf_config, args.sequence_parallel, bias="score.bias" in hf_state)
                 critic.load_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
@@ -471,16 +479,22 @@ class MegatronBackend(StepTail):
     def chunks(self) -> list:
         return self._chunks(self.model)
 
+    def _main(self):
+        """--bf16: the parameters hold their fp32 main copies and gradients inside (precision.py)."""
+        return self.main_params.main() if self.main_params is not None else contextlib.nullcontext()
+
     def _finish_step(self) -> float:
-        grads.reduce_gradients(self.chunks, self._replica_group, self.world_size, self.tp_group, self.pp)
-        grad_norm = grads.global_norm(self.chunks, self.device,
-                                      ps.get_expert_model_parallel_group() if self.ep > 1 else None, self.mp_group)
-        if math.isfinite(grad_norm):
-            coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-            if coef < 1.0:
-                for p in self.model.parameters():
-                    p.grad.mul_(coef)
-        return self._step_if_finite(grad_norm)
+        with self._main():  # fp32 gradients reduced, clipped and stepped on the fp32 main copies
+            grads.reduce_gradients(self.chunks, self._replica_group, self.world_size, self.tp_group, self.pp)
+            grad_norm = grads.global_norm(self.chunks, self.device,
+                                          ps.get_expert_model_parallel_group() if self.ep > 1 else None, self.mp_group)
+            if math.isfinite(grad_norm):
+                coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+                if coef < 1.0:
+                    for p in self.model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            return self._step_if_finite(grad_norm)
 
     # ------------------------------------------------------------ weights
 
@@ -503,13 +517,18 @@ class MegatronBackend(StepTail):
         return to_hf(self._mcore_full(), self.hf_config)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, full tensor) for every HF parameter, a tied head once (as the embedding).
-        Collective over the TP group: every rank iterates."""
+        """(HF name, full tensor) for every HF parameter, a tied head once (as the embedding), as the
+        model computes with them (--bf16: the bf16 values). Collective over the TP group: every rank iterates."""
         yield from self._hf_full().items()
 
     def full_state(self, optimizer: bool = True) -> tuple[dict, dict | None]:
         """HF-named full model state (a tied head listed too, like HF's state_dict) and the AdamW
-        state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere. Collective."""
+        state keyed by megatron name (full tensors) on rank 0; empty dicts elsewhere (--bf16: the fp32
+        main copies). Collective."""
+        with self._main():
+            return self._full_state(optimizer)
+
+    def _full_state(self, optimizer: bool) -> tuple[dict, dict | None]:
         sd = {k: v.detach().cpu().clone() for k, v in self._hf_full().items()}
         if getattr(self.hf_config, "tie_word_embeddings", False) and not self.value_head:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
@@ -547,15 +566,17 @@ class MegatronBackend(StepTail):
         and AdamW state in megatron's distributed checkpoint format under `path/train_state`, which
         any other layout (TP, PP, DP size, distributed optimizer or not) loads. Collective."""
         path = Path(path)
-        hf = self._hf_full()
-        if self.rank == 0:
-            self._write_hf(path / "hf", hf)
-        del hf
-        save_train_state(path / "train_state", self.chunks, self.optimizer)
+        with self._main():  # --bf16: the fp32 main copies (any run loads them, with or without --bf16)
+            hf = self._hf_full()
+            if self.rank == 0:
+                self._write_hf(path / "hf", hf)
+            del hf
+            save_train_state(path / "train_state", self.chunks, self.optimizer)
 
     def load(self, path: str | Path) -> None:
         """Restore this rank's model shards and AdamW state from `path/train_state`, saved at any layout."""
-        load_train_state(Path(path) / "train_state", self.chunks, self.optimizer)
+        with self._main():
+            load_train_state(Path(path) / "train_state", self.chunks, self.optimizer)
 
     def save_reference(self, path: Path) -> None:
         """--ref-update-interval: the reference model's shards, in the format of `save` (any layout loads them)."""

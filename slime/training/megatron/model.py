@@ -49,7 +49,8 @@ def check_parallel_config(config, tp: int) -> None:
 def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=torch.float32,
                 vocab_divisible_by: int = 128,
                 recompute: tuple[str | None, str | None, int | None] = (None, None, None),
-                layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None, ep: int = 1):
+                layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None, ep: int = 1,
+                load_dtype: torch.dtype | None = None):
     """A GPTModel for one tensor-parallel rank and one pipeline model chunk (`vp_stage` of this
     rank's pipeline stage; the whole model with PP 1). Embedding on the first stage, output
     layer on the last (megatron's parallel_state must be initialized with the same layout).
@@ -59,6 +60,9 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank of the last stage sees full [b, s, V_padded] logits.
     A mixture-of-experts config gets megatron's MoE layers (moe.py; `ep`: the expert-parallel size).
+    `dtype`: what the model computes in (megatron's config: bf16 attention softmax in fp32, bf16
+    activations between stages); `load_dtype`: the parameters' dtype on return, where the
+    checkpoint is loaded (default `dtype`; --bf16 loads fp32 for the main copies, precision.py).
     """
     is_moe = moe.is_moe(config)
     check_parallel_config(moe.dense_twin(config) if is_moe else config, tp)
@@ -92,7 +96,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     )
     _mark_tensor_parallel(model)
     _pad_row_without_lookup_gradient(model, getattr(config, "pad_token_id", None), config.vocab_size)
-    model.to(dtype)
+    model.to(load_dtype or dtype)
     # dropout is 0 anyway; eval keeps it that way for any future layer. megatron recomputes only in
     # training mode, so a model built to recompute is left in it (the same numbers: no dropout)
     model.train(granularity is not None)

@@ -194,9 +194,11 @@ class Pipeline:
             g_lp, g_ent = upstream[k]
             lps, ents = self._scores(logits, ids, prompt_lens, lens, with_entropy=g_ent is not None,
                                      entropy_grad=g_ent is not None)
-            loss = (torch.cat(lps) * g_lp.to(logits.dtype)).sum() + 0.0 * logits.sum()
+            lp = torch.cat(lps)  # fp32 (bf16 logits too): the upstream gradient is not rounded
+            loss = (lp * g_lp.to(lp.dtype)).sum() + 0.0 * logits.sum()
             if g_ent is not None:
-                loss = loss + (torch.cat(ents) * g_ent.to(logits.dtype)).sum()
+                ent = torch.cat(ents)
+                loss = loss + (ent * g_ent.to(ent.dtype)).sum()
             return loss, one, {}
 
         self._run(chunks, self.padded(batches), surrogate, forward_only=False)

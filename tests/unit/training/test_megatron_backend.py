@@ -12,10 +12,13 @@ pytest.importorskip("megatron.core")
 from slime.training.megatron.dist_checkpoint import is_train_state  # noqa: E402
 from slime.utils.errors import SlimeConfigError  # noqa: E402
 from torch import Tensor  # noqa: E402
+from slime.training.backend import MicroBatch  # noqa: E402
 from tests.helpers.training import (  # noqa: E402
     COMMON,
     assert_states_close,
     deterministic,
+    grads_after_train,
+    initial_state,
     local_actor,
     make_args,
     synthetic_batch,
@@ -133,6 +136,60 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
         assert (ckpt / "hf" / "tokenizer.json").is_file()
 
         # training resumes exactly
+        ma, mb = a.train(1, batch), b.train(1, batch)
+        assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
+        assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+# ---------------------------------------------------------------- --bf16 (fp32 main copies)
+
+
+def test_bf16_trains_fp32_main_weights_close_to_fp32(tiny_model_dir, tmp_path):
+    """--bf16: the parameters compute in bf16; fp32 gradients and main copies take the update (updates
+    below bf16's resolution are kept, the push is the main copy rounded to bf16); one step's metrics
+    within 2% of fp32 and its gradient direction the same; a save holds the fp32 main copies and
+    AdamW state, and training resumes from it exactly."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=16, pad_tokens=True)
+    flags = [*COMMON, "--train-backend", "megatron"]
+    g32, m32 = grads_after_train(make_args(tiny_model_dir, tmp_path, *flags), batch)
+    g16, m16 = grads_after_train(make_args(tiny_model_dir, tmp_path, *flags, "--bf16"), batch)
+    assert {v.dtype for v in g16.values()} == {torch.float32}  # accumulated and reduced in fp32
+    dot = sum((g16[k] * g32[k]).sum() for k in g32)
+    norms = (sum((g16[k] ** 2).sum() for k in g32) * sum((g32[k] ** 2).sum() for k in g32)).sqrt()
+    assert dot / norms > 0.999
+    for k in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+        assert m16[k] == pytest.approx(m32[k], rel=2e-2), k
+    assert m16["train/train_rollout_logprob_abs_diff"] > 10 * m32["train/train_rollout_logprob_abs_diff"]
+
+    # lr 1e-6: AdamW moves each weight by about 1e-6 a step, far below bf16's resolution (~1e-4 here)
+    args = make_args(tiny_model_dir, tmp_path, *flags, "--bf16", "--lr", 1e-6)
+    a, b = local_actor(args), local_actor(args)  # b shares a's process group and megatron parallel state
+    try:
+        be = a.backend
+        assert {p.dtype for p in be.model.parameters()} == {torch.bfloat16}
+        lp, _ = be.forward_logprobs(MicroBatch(batch.tokens, batch.response_lengths))
+        assert lp.dtype == torch.float32
+        a.train(0, batch)
+        main, osd = a.full_state()
+        assert {v.dtype for v in main.values()} == {torch.float32}
+        assert {v.dtype for st in osd["state"].values() for v in st.values()} == {torch.float32}
+        init = initial_state(tiny_model_dir)
+        moved = max(float((main[k] - init[k]).abs().max()) for k in init)
+        assert 0 < moved <= 3e-6
+        unchanged = sum(int((main[k].bfloat16() == init[k].bfloat16()).sum()) for k in init)
+        # 94% of the weights (2026-11-27): a bf16 copy alone would have lost their update
+        assert unchanged / sum(v.numel() for v in init.values()) > 0.9
+        pushed = dict(be.named_weights())
+        assert pushed and all(torch.equal(v, main[k].bfloat16()) for k, v in pushed.items())
+
+        ckpt = tmp_path / "ckpt"
+        a.save(str(ckpt))
+        assert_states_close(hf_model(ckpt / "hf").state_dict(), main, atol=0)  # the fp32 main copies
+        b.load(str(ckpt))
+        assert_states_close(b.full_state()[0], main, atol=0)
         ma, mb = a.train(1, batch), b.train(1, batch)
         assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
         assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
