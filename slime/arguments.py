@@ -255,11 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per recomputed group (uniform) or recomputed layers (block); default 1 / all")
     g.add_argument("--bf16", action="store_true",
                    help="mixed precision: bf16 compute, fp32 master weights and optimizer, gradients reduced in fp32 "
-                        "(FSDP2's MixedPrecisionPolicy); the engines serve bf16 unless their --*-dtype says otherwise")
+                        "(FSDP2's MixedPrecisionPolicy; megatron: bf16 parameters with fp32 main copies); the engines "
+                        "serve bf16 unless their --*-dtype says otherwise")
     g.add_argument("--fp16", action="store_true", help="refused: fp16 training needs loss scaling; use --bf16")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="keep the parameters' fp32 master copy, gradients and AdamW state in host memory and step "
-                        "the optimizer there (FSDP2's CPU offload; on a CPU run it changes nothing and says so)")
+                        "the optimizer there (FSDP2's CPU offload; on a CPU run it changes nothing and says so; "
+                        "megatron: CPU runs only)")
     g.add_argument("--log-probs-chunk-size", type=int, default=1024,
                    help="the FSDP backend computes log-probs and entropy from the last hidden states, applying the "
                         "output layer to this many tokens at a time (no [tokens, vocab] tensor of the micro-batch); "
@@ -510,9 +512,6 @@ def validate(args: Args) -> Args:
     require(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16: give one")
     require(not args.fp16, "--fp16 needs loss scaling, which slime does not implement; use --bf16")
-    require(not (args.optimizer_cpu_offload and args.train_backend == "megatron"),
-            "--optimizer-cpu-offload with --train-backend megatron needs megatron's distributed optimizer, which "
-            "slime's megatron backend does not use yet; use --train-backend fsdp")
     require(args.log_probs_chunk_size >= 0, f"--log-probs-chunk-size must be >= 0, got {args.log_probs_chunk_size}")
 
     # length of the run

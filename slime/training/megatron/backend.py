@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import math
 import os
 from pathlib import Path
@@ -52,6 +53,7 @@ from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
 from slime.training.megatron import critic, grads, moe, shims
 from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
+from slime.training.megatron.head import OutputHead, output_weight
 from slime.training.megatron.model import PipelineLayout, build_model
 from slime.training.megatron.optimizer import ShardedAdamW
 from slime.training.megatron.precision import MainParams
@@ -79,6 +81,8 @@ from slime.training.freeze import freeze_parameters
 from slime.training.moe import TrainRouting
 from slime.utils.net import node_address
 
+
+logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -112,6 +116,14 @@ class MegatronBackend(StepTail):
             raise SlimeConfigError(f"--recompute-granularity {args.recompute_granularity} with --train-backend megatron "
                                    "needs CUDA (megatron-core's recompute saves and restores the CUDA RNG states); on "
                                    "CPU use --train-backend fsdp")
+        if args.optimizer_cpu_offload:
+            if self.device.type == "cuda":
+                raise SlimeConfigError("--optimizer-cpu-offload with --train-backend megatron on a GPU is not built "
+                                       "(megatron's offload lives in its DistributedOptimizer, which slime does not "
+                                       "use); use --train-backend fsdp")
+            if rank == 0:
+                logger.info("--optimizer-cpu-offload: this run trains on the CPU, where the optimizer state already "
+                            "is; nothing changes")
         sft = args.loss_type == "sft_loss"
         self.temperature = args.rollout_temperature if args.rollout_temperature > 0 and not sft else 1.0
 
@@ -175,9 +187,12 @@ class MegatronBackend(StepTail):
         del hf_state
         self.vocab_size = self.hf_config.vocab_size
         self.seq_multiple = self.tp if args.sequence_parallel else 1  # SP splits the sequence over TP ranks
+        # --log-probs-chunk-size: log-probs from the hidden states, the output layer chunk by chunk (head.py)
+        self.head = OutputHead(self.vocab_size, self.temperature, args.log_probs_chunk_size) \
+            if args.log_probs_chunk_size and not value_head else None
         moe_routing = self.routing if isinstance(self.routing, moe.MegatronRouting) else None
         self.pipeline = Pipeline(self.device, self.vocab_size, self.temperature, self.seq_multiple,
-                                 scores=critic.response_values if value_head else None,
+                                 scores=critic.response_values if value_head else None, head=self.head,
                                  before_forward=moe_routing.before_forward if moe_routing else None) \
             if self.pp > 1 else None
         self.lr_schedule = LRSchedule.from_args(args, args.critic_lr if value_head else args.lr)
@@ -262,6 +277,11 @@ class MegatronBackend(StepTail):
                 moe.idle_forward(model, self.device, backward=False, seq_len=self.seq_multiple)
             return [], []
         ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
+        if self.head is not None:
+            with shims.cpu_only_cuda_shims(), self.head.hidden_states(model):
+                hidden = model(ids, pos, attention_mask=mask)  # [b, t, H]
+            return self.head.scores(hidden, output_weight(model), ids, prompt_lens, lengths,
+                                    with_entropy=with_entropy, entropy_grad=entropy_grad)
         with shims.cpu_only_cuda_shims():
             logits = model(ids, pos, attention_mask=mask)  # [b, t, V_padded]
         return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lengths, self.temperature,

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from slime.algorithms.losses import compute_entropy, compute_log_probs, compute_log_probs_and_entropy
 from slime.training.megatron import shims
+from slime.training.megatron.head import output_weight
 
 # a micro-batch of the group: (token lists, response lengths)
 GroupBatch = tuple[list[list[int]], list[int]]
@@ -108,13 +109,15 @@ class Pipeline:
     with_entropy, entropy_grad) -> (per-sample Tensors, per-sample entropies or Nones)`; default
     the response tokens' log-probs (and entropy) at `temperature` (the critic: its values).
     `before_forward(k, lens, (b, t), filler)`: called before micro-batch k's forward on each stage
-    (MoE: which of the [b, t] tokens are real and which experts to replay; moe.MegatronRouting)."""
+    (MoE: which of the [b, t] tokens are real and which experts to replay; moe.MegatronRouting).
+    `head`: the last stage hands back hidden states, scored by the output layer chunk by chunk (head.py)."""
 
     def __init__(self, device, vocab_size: int, temperature: float, seq_multiple: int = 1,
-                 scores: Callable | None = None, before_forward: Callable | None = None):
+                 scores: Callable | None = None, before_forward: Callable | None = None, head=None):
         self.device, self.vocab_size, self.temperature = device, vocab_size, temperature
         self.seq_multiple = seq_multiple
         self.score_fn = scores
+        self.head = head
         self.before_forward = before_forward
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.vp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -138,10 +141,16 @@ class Pipeline:
             k, ids, pos, mask, prompt_lens, lens = next(data_iterator)
             if self.before_forward is not None:
                 self.before_forward(k, [len(t) for t in batches[k][0]], tuple(ids.shape), batches[k] is FILLER)
-            out = model(ids, pos, attention_mask=mask)
+            weight = None
+            if self.head is not None and model.post_process:
+                with self.head.hidden_states(model):
+                    out = model(ids, pos, attention_mask=mask)  # [b, t, H]
+                weight = output_weight(model)
+            else:
+                out = model(ids, pos, attention_mask=mask)
             if not model.post_process:  # sent to the next stage: gloo sends contiguous tensors only, and an
                 out = out.contiguous()  # MoE layer's output under sequence parallelism was not
-            return out, functools.partial(on_logits, k, ids, prompt_lens, lens)
+            return out, functools.partial(on_logits, k, ids, prompt_lens, lens, weight)
 
         iters = [iter(inputs) for _ in chunks] if len(chunks) > 1 else iter(inputs)
         with shims.cpu_only_cuda_shims(), torch.set_grad_enabled(not forward_only):
@@ -149,7 +158,11 @@ class Pipeline:
                 forward_step_func=forward_step, data_iterator=iters, model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(inputs), seq_length=shape[1], micro_batch_size=shape[0], forward_only=forward_only)
 
-    def _scores(self, logits, ids, prompt_lens, lens, *, with_entropy: bool, entropy_grad: bool):
+    def _scores(self, logits, weight, ids, prompt_lens, lens, *, with_entropy: bool, entropy_grad: bool):
+        """`logits`: the last stage's output; with `head`, the hidden states and `weight` the output layer's."""
+        if weight is not None:
+            return self.head.scores(logits, weight, ids, prompt_lens, lens, with_entropy=with_entropy,
+                                    entropy_grad=entropy_grad)
         if self.score_fn is not None:
             return self.score_fn(logits, ids, prompt_lens, lens, with_entropy=with_entropy, entropy_grad=entropy_grad)
         return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lens, self.temperature,
@@ -160,8 +173,9 @@ class Pipeline:
         sample order, on every rank of the pipeline (broadcast from the last stage). No gradient."""
         results: dict[int, tuple[Tensor, Tensor | None]] = {}
 
-        def keep(k, ids, prompt_lens, lens, logits):
-            lps, ents = self._scores(logits, ids, prompt_lens, lens, with_entropy=with_entropy, entropy_grad=False)
+        def keep(k, ids, prompt_lens, lens, weight, logits):
+            lps, ents = self._scores(logits, weight, ids, prompt_lens, lens, with_entropy=with_entropy,
+                                     entropy_grad=False)
             results[k] = (torch.cat(lps), torch.cat(ents) if with_entropy else None)
             return torch.zeros((), device=self.device), torch.ones((), dtype=torch.int, device=self.device), {}
 
@@ -187,12 +201,12 @@ class Pipeline:
         pipeline (gradients accumulate into the chunks' parameters). `upstream[k]`: (g_lp, g_ent or
         None) of micro-batch k, Tensor[N_k] each, the same on every rank of the group."""
 
-        def surrogate(k, ids, prompt_lens, lens, logits):
+        def surrogate(k, ids, prompt_lens, lens, weight, logits):
             one = torch.ones((), dtype=torch.int, device=self.device)
             if k >= len(upstream):  # a filler micro-batch
                 return 0.0 * logits.sum(), one, {}
             g_lp, g_ent = upstream[k]
-            lps, ents = self._scores(logits, ids, prompt_lens, lens, with_entropy=g_ent is not None,
+            lps, ents = self._scores(logits, weight, ids, prompt_lens, lens, with_entropy=g_ent is not None,
                                      entropy_grad=g_ent is not None)
             lp = torch.cat(lps)  # fp32 (bf16 logits too): the upstream gradient is not rounded
             loss = (lp * g_lp.to(lp.dtype)).sum() + 0.0 * logits.sum()

@@ -144,6 +144,24 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
         a.shutdown()
 
 
+# ---------------------------------------------------------------- log-probs from the hidden states
+
+
+def test_chunked_output_layer_trains_like_the_full_logits(tiny_model_dir, tmp_path):
+    """--log-probs-chunk-size 8 (the output layer applied 8 rows at a time, each chunk recomputed in
+    backward; slime/training/megatron/head.py) gives the gradients and metrics of
+    --log-probs-chunk-size 0 (the model's full logits), entropy loss on; the reference model's
+    log-probs (KL) go the same way."""
+    batch = synthetic_batch(tiny_model_dir, 8, seed=15, pad_tokens=True)
+    flags = [*COMMON, "--train-backend", "megatron"]
+    full = grads_after_train(make_args(tiny_model_dir, tmp_path, *flags, "--log-probs-chunk-size", 0), batch)
+    chunked = grads_after_train(make_args(tiny_model_dir, tmp_path, *flags, "--log-probs-chunk-size", 8), batch)
+    assert_states_close(chunked[0], full[0], atol=1e-6, rtol=1e-5)
+    for k, v in full[1].items():  # the log-sum-exp is summed in another order: fp32 rounding of a log-prob
+        assert chunked[1][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k  # (ulp 5e-7 at -5) shows in ppo_kl
+    assert full[1]["train/entropy_loss"] != 0 and full[1]["train/kl_loss"] != 0
+
+
 # ---------------------------------------------------------------- --bf16 (fp32 main copies)
 
 
@@ -215,11 +233,14 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
 
     gqa_model_dir = _gqa_model(tiny_model_dir, tmp_path / kind, kind)
     batch = synthetic_batch(gqa_model_dir, 8, seed=14, pad_tokens=True)
-    layouts = {"tp2": (2, 2, 1, []), "one": (1, 1, 3, [])}  # ranks, TP, micro-batch size, flags
+    # ranks, TP, micro-batch size, flags; the untied (vocabulary-parallel) output layer and SP take their
+    # log-probs 8 rows at a time (every TP rank's vocabulary shard per chunk; the tiny vocabulary fits rank 0's)
+    chunked = ["--log-probs-chunk-size", 8]
+    layouts = {"tp2": (2, 2, 1, chunked if kind == "qwen2_untied" else []), "one": (1, 1, 3, [])}
     if kind == "llama":
         layouts["dp2"] = (2, 1, 1, [])
     if kind == "qwen3":  # sequence parallel: the layer norms see half the tokens each, the q/k norms half the heads
-        layouts["tp2_sp"] = (2, 2, 2, ["--sequence-parallel"])
+        layouts["tp2_sp"] = (2, 2, 2, ["--sequence-parallel", *chunked])
     results = {}
     for name, (ranks, tp, mbs, flags) in layouts.items():
         args = make_args(gqa_model_dir, tmp_path, *COMMON, "--train-backend", "megatron",
@@ -294,8 +315,8 @@ def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_
     # micro-batches of the pipeline: 2 per step of 2 samples (mbs 1 on each rank), or 1 of 4 (mbs 2)
     # padded with a filler to the 2 the interleaved schedule needs
     if tied:
-        layouts = {"one": (1, [], 4), "pp2": (2, pp, 1),
-                   "pp2_vp2": (2, pp + ["--virtual-pipeline-model-parallel-size", 2], 2)}
+        layouts = {"one": (1, [], 4), "pp2": (2, pp, 1),  # and the last stage's log-probs 8 rows at a time
+                   "pp2_vp2": (2, pp + ["--virtual-pipeline-model-parallel-size", 2, "--log-probs-chunk-size", 8], 2)}
     else:
         layouts = {"one": (1, [], 4), "pp2_uneven": (2, pp + ["--decoder-first-pipeline-num-layers", 1], 1)}
     results = _train_layouts(model_dir, tmp_path, layouts, batch)
