@@ -6,7 +6,8 @@ One GRPO optimizer step (`TrainActor.train`: advantages, log-probs, loss, backwa
 same batch on the same machine, for each layout:
 
 - fsdp, 1 rank; megatron, 1 rank: the same model and micro-batches (the table's "vs 1st" column is
-  each layout's tokens/s over the first layout's, fsdp's by default);
+  each layout's tokens/s over the first layout's, fsdp's by default); each again with `--bf16`
+  (FSDP2's mixed precision; megatron's bf16 parameters with fp32 main copies);
 - megatron PP 2 (1F1B) and PP 2 with 2 virtual stages (interleaved), 2 ranks: each rank keeps
   half the samples, so one pipeline micro-batch holds both ranks' `--micro-batch-size` samples.
 
@@ -198,6 +199,9 @@ def main(argv=None) -> int:
     layouts = {  # name: (ranks, flags)
         "fsdp": (1, ["--train-backend", "fsdp", "--micro-batch-size", str(2 * a.micro_batch_size)]),
         "megatron": (1, ["--train-backend", "megatron", "--micro-batch-size", str(2 * a.micro_batch_size)]),
+        "fsdp --bf16": (1, ["--train-backend", "fsdp", "--bf16", "--micro-batch-size", str(2 * a.micro_batch_size)]),
+        "megatron --bf16": (1, ["--train-backend", "megatron", "--bf16", "--micro-batch-size",
+                                str(2 * a.micro_batch_size)]),
         "megatron PP 2": (2, ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2",
                               "--micro-batch-size", str(a.micro_batch_size)]),
         "megatron PP 2 x VP 2": (2, ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2",
