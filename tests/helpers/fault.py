@@ -32,14 +32,22 @@ def train_cmd(task, out_dir, driver="train.py", extra=()):
     ]
 
 
-def engine_pid(url: str) -> int:
-    """The pid of the native engine serving `url` (found by its --port)."""
-    port = url.rsplit(":", 1)[1]
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "slime.engines.native" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
-            return p.pid
-    raise AssertionError(f"no engine process serves {url}")
+def engine_pid(url: str) -> int | None:
+    """The pid of the native engine serving `url`: the live process listening on its port; None while
+    there is none (a killed engine being reaped, its successor not yet bound). Another kind of
+    process on the port is an error."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != port or not conn.pid:
+            continue
+        try:
+            cmd = psutil.Process(conn.pid).cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return None
+        if "slime.engines.native" not in cmd:
+            raise AssertionError(f"{url} is served by pid {conn.pid}, not a native engine: {cmd}")
+        return conn.pid
+    return None
 
 
 def info(url: str) -> dict | None:
@@ -89,9 +97,11 @@ def run_with_fault(task, out_dir: Path, sig: int, driver: str = "train.py", extr
         while seen["killed_pid"] is None:
             assert proc.poll() is None, "the run ended before engine 1 was caught in the middle of a rollout"
             i = info(victim)
-            if i and i["weight_version"] not in ("0", None) and i["num_running_requests"] > 0:
-                seen["killed_pid"] = engine_pid(victim)
-                os.kill(seen["killed_pid"], sig)
+            pid = engine_pid(victim) if i and i["weight_version"] not in ("0", None) \
+                and i["num_running_requests"] > 0 else None
+            if pid is not None:
+                seen["killed_pid"] = pid
+                os.kill(pid, sig)
                 seen["killed_at_version"] = i["weight_version"]
             time.sleep(0.01)
         while proc.poll() is None and seen["same_weights"] is not True:
@@ -99,7 +109,7 @@ def run_with_fault(task, out_dir: Path, sig: int, driver: str = "train.py", extr
             i = info(victim)
             if i is not None:
                 pid = engine_pid(victim)
-                if pid != seen["killed_pid"]:
+                if pid is not None and pid != seen["killed_pid"]:
                     seen["restarted_pid"] = pid
                     if i["weight_updates"] == 0 and i["total_requests"] > 0:
                         seen["served_before_weights"].append(i)
