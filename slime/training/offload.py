@@ -192,7 +192,7 @@ class Offloader:
 def backend_tensors(backend) -> list[Tensor]:
     """Everything a training backend keeps per rank: parameters, gradients, optimizer state, the
     frozen reference model and OPD teacher (`model`, `optimizer`, `ref_model`, `teacher_model` of a
-    `TrainBackend`)."""
+    `TrainBackend`), and the megatron backend's fp32 main copies under --bf16 (`main_params`)."""
     out: list[Tensor] = []
     for module in (backend.model, backend.ref_model, getattr(backend, "teacher_model", None)):
         if module is None:
@@ -204,6 +204,9 @@ def backend_tensors(backend) -> list[Tensor]:
         out.extend(b for b in module.buffers())
     for state in backend.optimizer.state.values():
         out.extend(v for v in state.values() if isinstance(v, Tensor))
+    main_params = getattr(backend, "main_params", None)  # megatron --bf16: the fp32 main copies
+    if main_params is not None:
+        out.extend(main_params.tensors())
     return out
 
 

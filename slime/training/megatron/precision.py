@@ -68,9 +68,10 @@ class MainParams:
             g.add_(p.grad)
         p.grad = None
 
-    def grad_dtypes(self) -> set[torch.dtype]:
-        """The dtypes of the gradients accumulated so far (fp32: the main gradients)."""
-        return {g.dtype for g in self._grads.values()}
+    def tensors(self) -> list[Tensor]:
+        """The fp32 main copies and the main gradients accumulated so far (what colocated training
+        offloads besides the parameters themselves, slime.training.offload)."""
+        return self._main + list(self._grads.values())
 
     @contextlib.contextmanager
     def main(self) -> Iterator[None]:

@@ -4,6 +4,7 @@ mode each run shape gets."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -86,14 +87,17 @@ def test_offload_frees_only_the_training_devices_storages(tmp_path, caplog):
     assert stats["bytes"] == (1024 + 2048) * 4 and all(t.untyped_storage().nbytes() == 0 for t in host)
 
 
-def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, tmp_path):
+@pytest.mark.parametrize("backend", [[], pytest.param(["--train-backend", "megatron", "--bf16"], marks=pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"))], ids=["fsdp", "megatron_bf16"])
+def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, tmp_path, backend):
     """A real fsdp-backend rank (world size 1: the plain module; two sharded ranks are in
-    test_fsdp_trainer.py): offload frees params + optimizer + the mmap'd reference
-    model, @resident methods still work while offloaded, onload is bitwise."""
+    test_fsdp_trainer.py), and a megatron rank with --bf16 (its fp32 main copies too): offload frees
+    params + optimizer + the mmap'd reference model, @resident methods still work while offloaded,
+    onload is bitwise."""
     from slime.training.actor import TrainActor
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    args = _args(tiny_model_dir, data_file, "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.01")
+    args = _args(tiny_model_dir, data_file, "--colocate", "--use-kl-loss", "--kl-loss-coef", "0.01", *backend)
     from slime.utils.net import free_port
 
     actor = TrainActor(args, 0, 1, master_port=free_port("127.0.0.1"))
@@ -110,6 +114,7 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
 
         tensors = backend_tensors(be)
         before = [_local(t).detach().clone() for t in tensors]
+        n_weights = len(list(be.named_weights()))  # HF names (megatron fuses some of its parameters)
         assert any(isinstance(v, torch.Tensor) and v.dim() > 0 for st in be.optimizer.state.values()
                    for v in st.values())  # exp_avg / exp_avg_sq exist
         n_bytes = sum(_local(t).untyped_storage().nbytes() for t in tensors)
@@ -120,8 +125,11 @@ def test_train_actor_offload_round_trip(tiny_model_dir, data_file, monkeypatch, 
         assert be.ref_model is not None
         assert all(p.untyped_storage().nbytes() == 0 for p in be.ref_model.parameters())
         assert all(_local(p).untyped_storage().nbytes() == 0 for p in be.model.parameters())
+        if backend:
+            assert be.main_params.tensors() and all(t.untyped_storage().nbytes() == 0
+                                                    for t in be.main_params.tensors())
         # a @resident call while offloaded onloads for the call and offloads again
-        assert actor.check_weights([]) == len(list(be.model.parameters()))
+        assert actor.check_weights([]) == n_weights
         assert actor._offloader.is_offloaded
 
         back = actor.onload()
