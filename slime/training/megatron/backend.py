@@ -65,15 +65,7 @@ from slime.training.megatron.pipeline import (
     gather_stages,
     response_scores,
 )
-from slime.training.megatron.weights import (
-    full_mcore_state,
-    global_names,
-    is_tied_duplicate,
-    load_hf_into,
-    partition_dim,
-    to_hf,
-    unshard,
-)
+from slime.training.megatron.weights import full_mcore_state, full_optimizer_state, load_hf_into, to_hf
 from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import hf_checkpoint_names, write_hf_dir
@@ -531,6 +523,11 @@ class MegatronBackend(StepTail):
         state = moe.gather_experts(state) if self.ep > 1 else state  # every EP rank's experts
         return gather_stages(state, self.device) if self.pp > 1 else state
 
+    def _join_ranks(self, flat: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Every pipeline stage's and expert-parallel rank's entries of `flat`, on every rank. Collective."""
+        flat = gather_stages(flat, self.device) if self.pp > 1 else flat
+        return moe.gather_experts(flat) if self.ep > 1 else flat
+
     def _hf_full(self) -> dict[str, Tensor]:
         if self.value_head:  # HF token-classification names (score.weight), like FSDP's critic
             return critic.export(self._mcore_full(), self.hf_config)
@@ -552,31 +549,7 @@ class MegatronBackend(StepTail):
         sd = {k: v.detach().cpu().clone() for k, v in self._hf_full().items()}
         if getattr(self.hf_config, "tie_word_embeddings", False) and not self.value_head:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        osd = None
-        if optimizer:
-            flat = {}  # "name/key": full tensor, then every stage's
-            trained = [(global_names(c)[n], p) for c in self.chunks for n, p in c.named_parameters() if p.requires_grad]
-            states = self.optimizer.full_state(trained, all_ranks=True) \
-                if isinstance(self.optimizer, ShardedAdamW) else {n: self.optimizer.state.get(p, {}) for n, p in trained}
-            for chunk in self.chunks:
-                names = global_names(chunk)
-                for name, p in chunk.named_parameters():
-                    st, dim = states.get(names[name], {}), partition_dim(p)
-                    for key in ("step", "exp_avg", "exp_avg_sq"):
-                        if key in st and not is_tied_duplicate(chunk, name):
-                            v = st[key]
-                            if key != "step" and dim is not None:
-                                v = unshard(name, self._gather(v), dim)
-                            flat[f"{names[name]}/{key}"] = v.detach()
-            if self.pp > 1:
-                flat = gather_stages(flat, self.device)
-            flat = moe.gather_experts(flat) if self.ep > 1 else flat
-            state: dict = {}
-            for k, v in flat.items():
-                name, key = k.rsplit("/", 1)
-                state.setdefault(name, {})[key] = v.cpu().clone()
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            osd = {"state": state, "param_groups": groups}
+        osd = full_optimizer_state(self.chunks, self.optimizer, self._gather, self._join_ranks) if optimizer else None
         if self.rank != 0:
             return {}, ({} if optimizer else None)
         return sd, osd

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from slime.training.megatron import convert as mc
 from slime.training.megatron import moe
+from slime.training.megatron.optimizer import ShardedAdamW
 from slime.utils.errors import SlimeError
 
 
@@ -135,3 +136,31 @@ def to_hf(mcore_state: dict[str, Tensor], config) -> dict[str, Tensor]:
     """Full megatron state -> HF state (vocabulary trimmed to the config's; a tied head omitted)."""
     return (moe.mcore_to_hf if moe.is_moe(config) else mc.mcore_to_hf)(mcore_state, config,
                                                                        vocab_size=config.vocab_size)
+
+
+def full_optimizer_state(chunks: list, optimizer, gather: Callable[[Tensor], list[Tensor]],
+                         join: Callable[[dict], dict]) -> dict:
+    """The AdamW state of every trained parameter as full tensors, in torch's state-dict shape keyed by
+    whole-model megatron name: {"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups"}.
+    `gather`: a tensor's TP shards (all-gather); `join`: the other pipeline stages' and expert-parallel
+    ranks' entries of a {"name/key": tensor} dict. Collective."""
+    trained = [(global_names(c)[n], p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+    states = optimizer.full_state(trained, all_ranks=True) if isinstance(optimizer, ShardedAdamW) \
+        else {n: optimizer.state.get(p, {}) for n, p in trained}
+    flat = {}  # "name/key": full tensor
+    for chunk in chunks:
+        names = global_names(chunk)
+        for name, p in chunk.named_parameters():
+            st, dim = states.get(names[name], {}), partition_dim(p)
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key in st and not is_tied_duplicate(chunk, name):
+                    v = st[key]
+                    if key != "step" and dim is not None:
+                        v = unshard(name, gather(v), dim)
+                    flat[f"{names[name]}/{key}"] = v.detach()
+    state: dict = {}
+    for k, v in join(flat).items():
+        name, key = k.rsplit("/", 1)
+        state.setdefault(name, {})[key] = v.cpu().clone()
+    return {"state": state, "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                             for g in optimizer.param_groups]}

@@ -108,6 +108,13 @@ def test_megatron_layout_on_fsdp_is_checked_like_megatron(tiny_model_dir, tmp_pa
 # ---------------------------------------------------------------- forward and weights
 
 
+def _assert_next_rollout_alike(a, b, batch):
+    """The next rollout trains both local actors alike: the same metrics and weights, bit for bit."""
+    ma, mb = a.train(1, batch), b.train(1, batch)
+    assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
+    assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
+
+
 @pytest.mark.slow
 def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
     args = make_args(tiny_model_dir, tmp_path, *COMMON, "--micro-batch-size", 2, "--train-backend", "megatron")
@@ -136,9 +143,7 @@ def test_save_then_load_restores_model_and_optimizer(tiny_model_dir, tmp_path):
         assert (ckpt / "hf" / "tokenizer.json").is_file()
 
         # training resumes exactly
-        ma, mb = a.train(1, batch), b.train(1, batch)
-        assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
-        assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
+        _assert_next_rollout_alike(a, b, batch)
     finally:
         b.shutdown()
         a.shutdown()
@@ -208,9 +213,7 @@ def test_bf16_trains_fp32_main_weights_close_to_fp32(tiny_model_dir, tmp_path):
         assert_states_close(hf_model(ckpt / "hf").state_dict(), main, atol=0)  # the fp32 main copies
         b.load(str(ckpt))
         assert_states_close(b.full_state()[0], main, atol=0)
-        ma, mb = a.train(1, batch), b.train(1, batch)
-        assert deterministic(ma) == deterministic(mb) and "train/loss" in deterministic(ma)
-        assert_states_close(b.full_state(optimizer=False)[0], a.full_state(optimizer=False)[0], atol=0)
+        _assert_next_rollout_alike(a, b, batch)
     finally:
         b.shutdown()
         a.shutdown()
