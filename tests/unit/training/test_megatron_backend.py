@@ -272,6 +272,26 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
         assert_states_close(s, s1, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_bf16_tensor_and_sequence_parallel_match_one_bf16_rank(tiny_model_dir, tmp_path, ray_session):
+    """--bf16 under TP 2 + SP (each TP shard's own fp32 main copy, fp32 gradients summed over the TP
+    group, bf16 activations through SP's gathers, chunked log-probs over the vocabulary shards) against
+    one bf16 rank: the metrics of two rollouts within 2% (bf16 rounding in another order; without the
+    fp32 accumulation of the micro-batches' gradients the loss is 5% off)."""
+    model_dir = _gqa_model(tiny_model_dir, tmp_path / "qwen3", "qwen3")
+    batch = synthetic_batch(model_dir, 8, seed=15)
+    # TP 2: two micro-batches a step (their bf16 gradients accumulate in the fp32 main gradient); one rank: one
+    layouts = {"one": (1, [], 4), "tp2_sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"], 1)}
+    results = _train_layouts(model_dir, tmp_path, layouts, batch, extra=["--bf16"])
+    (m1, (s1, o1)), (m2, (s2, o2)) = results["one"], results["tp2_sp"]
+    for step in range(2):
+        # (not the KL: a difference of nearby bf16 log-probs, 4.5% apart between the two micro-batch shapes)
+        for k in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+            assert m2[step][k] == pytest.approx(m1[step][k], rel=2e-2), (step, k)
+    assert {v.dtype for v in s2.values()} == {torch.float32} and set(s2) == set(s1)
+    assert set(o2["state"]) == set(o1["state"]) and {float(st["step"]) for st in o2["state"].values()} == {4.0}
+
+
 # ---------------------------------------------------------------- pipeline parallelism (2 CPU ranks, gloo)
 
 
