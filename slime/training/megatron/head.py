@@ -89,7 +89,7 @@ class OutputHead:
             start = self.tp_rank * weight.shape[0]
             real = max(0, min(weight.shape[0], self.vocab_size - start))  # this shard's rows of the real vocabulary
             lp, ent = _ShardScores.apply(h, weight[:real], t - start, self.temperature, with_entropy,
-                                         with_entropy and entropy_grad, self.tp_group)
+                                         with_entropy and entropy_grad, self.tp_group if self.tp > 1 else None)
             lps.append(lp)
             if with_entropy:
                 ents.append(ent if entropy_grad else ent.detach())
@@ -124,46 +124,45 @@ def _scaled_logits(h: Tensor, weight: Tensor, temperature: float) -> Tensor:
 class _ShardScores(torch.autograd.Function):
     """(log p(target), entropy) of a chunk of rows from this rank's vocabulary shard `weight` [V_r, H]
     (`local`: the targets' indices in the shard; outside [0, V_r) another rank holds them); the
-    entropy carries a gradient only with `entropy_grad`. Forward sums over the TP group; backward is
-    local (see the module docstring)."""
+    entropy carries a gradient only with `entropy_grad`. Forward sums over the TP `group` (None: one
+    rank); backward is local (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, local: Tensor, temperature: float, with_entropy: bool,
                 entropy_grad: bool, group):
-        tp = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         x = _scaled_logits(h, weight, temperature)
         mine = (local >= 0) & (local < x.shape[-1])
         top = x.max(-1).values if x.shape[-1] else torch.full(local.shape, -torch.inf, device=x.device)
         picked = torch.where(mine, x.gather(-1, local.clamp(0, max(x.shape[-1] - 1, 0)).unsqueeze(-1)).squeeze(-1),
                              torch.zeros_like(top)) if x.shape[-1] else torch.zeros_like(top)
-        if tp > 1:
+        if group is not None:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         sums = torch.stack([(x - top.unsqueeze(-1)).exp().sum(-1), picked])
-        if tp > 1:
+        if group is not None:
             dist.all_reduce(sums, group=group)
         lse = top + sums[0].log()
         lp = sums[1] - lse
         ent = None
         if with_entropy:
             expected = ((x - lse.unsqueeze(-1)).exp() * x).sum(-1)
-            if tp > 1:
+            if group is not None:
                 dist.all_reduce(expected, group=group)
             ent = lse - expected
-        ctx.save_for_backward(h, weight, local, lse, ent if ent is not None else lse)
-        ctx.temperature, ctx.entropy_grad = temperature, entropy_grad
+        ctx.save_for_backward(h, weight, local, lse, *((ent,) if entropy_grad else ()))
+        ctx.temperature = temperature
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
     @staticmethod
     def backward(ctx, g_lp: Tensor, g_ent: Tensor):
-        h, weight, local, lse, ent = ctx.saved_tensors
+        h, weight, local, lse, *entropy = ctx.saved_tensors  # the entropy when it carries a gradient
         x = _scaled_logits(h, weight, ctx.temperature)
         p = (x - lse.unsqueeze(-1)).exp()
         dx = -g_lp.unsqueeze(-1) * p
         mine = (local >= 0) & (local < x.shape[-1])
         if x.shape[-1]:
             dx.scatter_add_(-1, local.clamp(0, x.shape[-1] - 1).unsqueeze(-1), (g_lp * mine).unsqueeze(-1))
-        if ctx.entropy_grad:
-            dx = dx - g_ent.unsqueeze(-1) * p * (x - lse.unsqueeze(-1) + ent.unsqueeze(-1))
+        if entropy:
+            dx = dx - g_ent.unsqueeze(-1) * p * (x - lse.unsqueeze(-1) + entropy[0].unsqueeze(-1))
         if ctx.temperature not in (None, 0, 1, 1.0):
             dx = dx / ctx.temperature
         dx = dx.to(h.dtype)

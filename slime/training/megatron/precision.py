@@ -45,7 +45,6 @@ class MainParams:
                 if id(p) not in seen:  # a tied weight once
                     seen.add(id(p))
                     self.params.append(p)
-        self.dtype = dtype
         self._main: list[Tensor] = []
         self._low: list[Tensor] = []
         self._grads: dict[int, Tensor] = {}  # id(p) -> fp32 main gradient
