@@ -118,6 +118,16 @@ def _dropout(args, value, moe):
     return None
 
 
+def _expert_tensor_parallel(args, value, moe):
+    """Megatron's default (not given) is the TP size; slime builds that and 1 (every expert whole on
+    each TP rank), not an expert-TP group of another size."""
+    tp = args.tensor_model_parallel_size
+    if value is None or value in (1, tp):
+        return None
+    return (f"must be 1 (every expert whole on each tensor-parallel rank) or the --tensor-model-parallel-size {tp} "
+            "(each expert split over the tensor-parallel group); other sizes are not built")
+
+
 def _expert_parallel(args, value, moe):
     if value == 1:
         return None
@@ -131,10 +141,7 @@ def _expert_parallel(args, value, moe):
 FLAGS: tuple[ScriptFlag, ...] = (
     # parallel layout (--tensor/pipeline/context-model-parallel-size and --sequence-parallel: slime.arguments)
     ScriptFlag("--expert-model-parallel-size", dict(type=int, default=1), _expert_parallel),
-    ScriptFlag("--expert-tensor-parallel-size", dict(type=int, default=None),
-               lambda a, v, moe: None if v == 1 else
-               "expert tensor parallelism other than 1 is not built (every tensor-parallel rank holds its experts "
-               "whole)"),
+    ScriptFlag("--expert-tensor-parallel-size", dict(type=int, default=None), _expert_tensor_parallel),
     ScriptFlag("--virtual-pipeline-model-parallel-size", dict(type=int, default=None),
                _needs(lambda a: a.pipeline_model_parallel_size > 1, "needs --pipeline-model-parallel-size > 1")),
     ScriptFlag("--num-layers-per-virtual-pipeline-stage", dict(type=int, default=None),

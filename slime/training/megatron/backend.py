@@ -135,20 +135,27 @@ class MegatronBackend(StepTail):
         # mixture of experts: megatron's MoE layers, --expert-model-parallel-size (moe.py)
         self.moe = moe.is_moe(self.hf_config)
         self.ep = args.expert_model_parallel_size if self.moe else 1
+        # --expert-tensor-parallel-size: megatron's default is the TP size (each expert split over the TP
+        # group like the dense MLP); 1 keeps every expert whole on each TP rank
+        self.etp = (args.expert_tensor_parallel_size or self.tp) if self.moe else 1
         if moe.is_moe(self.hf_config):
-            moe.check_moe_args(args, self.hf_config, self.tp, self.pp, self.ep, world_size)
+            moe.check_moe_args(args, self.hf_config, self.tp, self.pp, self.ep, self.etp, world_size)
         self._owns_mp = not ps.model_parallel_is_initialized()
         if self._owns_mp:
             ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                                          virtual_pipeline_model_parallel_size=self.layout.vp
                                          if self.layout.vp > 1 else None, expert_model_parallel_size=self.ep,
-                                         expert_tensor_parallel_size=1)  # MoE: experts whole on every TP rank
+                                         expert_tensor_parallel_size=self.etp)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.mp_group = ps.get_model_parallel_group()  # TP x PP: one pipeline over the group's samples
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        if self.etp > 1 and dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) != \
+                dist.get_process_group_ranks(self.tp_group):  # weights.py splits the experts as the TP group
+            raise SlimeConfigError(f"--expert-tensor-parallel-size {self.etp}: megatron's expert tensor-parallel "
+                                   "group is not the tensor-parallel group")
         shims.use_cpu_rng_tracker()
 
         if value_head:  # the FSDP critic's weights: HF's token-classification model (its config included)
@@ -234,7 +241,7 @@ class MegatronBackend(StepTail):
                                     vocab_divisible_by=args.make_vocab_size_divisible_by,
                                     recompute=(args.recompute_granularity, args.recompute_method,
                                                args.recompute_num_layers) if recompute else (None, None, None),
-                                    layout=self.layout, vp_stage=vp_stage, ep=self.ep, dtype=self.dtype,
+                                    layout=self.layout, vp_stage=vp_stage, ep=self.ep, etp=self.etp, dtype=self.dtype,
                                     load_dtype=load_dtype)
             if value_head:
                 critic.attach_value_head(model, self.hf_config, args.sequence_parallel, bias="score.bias" in hf_state)
@@ -498,8 +505,8 @@ class MegatronBackend(StepTail):
     def _finish_step(self) -> float:
         with self._main():  # fp32 gradients reduced, clipped and stepped on the fp32 main copies
             grads.reduce_gradients(self.chunks, self._replica_group, self.world_size, self.tp_group, self.pp)
-            grad_norm = grads.global_norm(self.chunks, self.device,
-                                          ps.get_expert_model_parallel_group() if self.ep > 1 else None, self.mp_group)
+            experts = ps.get_expert_tensor_and_model_parallel_group() if self.ep * self.etp > 1 else None
+            grad_norm = grads.global_norm(self.chunks, self.device, experts, self.mp_group)
             if math.isfinite(grad_norm):
                 coef = min(self._max_grad_norm() / (grad_norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
                 if coef < 1.0:

@@ -64,13 +64,13 @@ def reduce_gradients(chunks: list, replica_group: Callable, world_size: int, tp_
         p.grad.div_(world_size)
 
 
-def global_norm(chunks: list, device, ep_group, mp_group) -> float:
+def global_norm(chunks: list, device, expert_group, mp_group) -> float:
     """The gradient norm of the whole model: TP shards summed over the model-parallel group (TP x PP),
-    replicated weights and a tied embedding's last-stage copy once. MoE experts (whole on every rank
-    that holds them: expert tensor parallelism 1): each EP rank's own summed over the EP group
-    (`ep_group`; None without expert parallelism), which lies within a pipeline stage, and counted
-    once per stage (by its TP rank 0; the other TP ranks hold the same experts, or, when the EP group
-    is the TP group, have just summed theirs into it)."""
+    replicated weights and a tied embedding's last-stage copy once. MoE experts: each rank's own
+    (its EP rank's experts, or its expert-TP shards of them) summed over the expert tensor-and-expert-
+    parallel group (`expert_group`, ETP x EP; None when it is one rank), which lies within a pipeline
+    stage and holds each of the stage's expert weights once, then counted once per stage (by its TP
+    rank 0; the other TP ranks hold the same experts, or have just summed theirs into it)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     sq_experts = torch.zeros((), dtype=torch.float32, device=device)
     for chunk in chunks:
@@ -79,8 +79,8 @@ def global_norm(chunks: list, device, ep_group, mp_group) -> float:
                 sq_experts.add_(p.grad.float().pow(2).sum())
             elif param_is_not_tensor_parallel_duplicate(p) and not is_tied_duplicate(chunk, name):
                 sq.add_(p.grad.float().pow(2).sum())
-    if ep_group is not None and dist.get_world_size(ep_group) > 1:
-        dist.all_reduce(sq_experts, group=ep_group)
+    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        dist.all_reduce(sq_experts, group=expert_group)
     if ps.get_tensor_model_parallel_rank() == 0:
         sq += sq_experts
     if dist.get_world_size(mp_group) > 1:

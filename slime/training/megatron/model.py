@@ -50,7 +50,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
                 vocab_divisible_by: int = 128,
                 recompute: tuple[str | None, str | None, int | None] = (None, None, None),
                 layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None, ep: int = 1,
-                load_dtype: torch.dtype | None = None):
+                etp: int = 1, load_dtype: torch.dtype | None = None):
     """A GPTModel for one tensor-parallel rank and one pipeline model chunk (`vp_stage` of this
     rank's pipeline stage; the whole model with PP 1). Embedding on the first stage, output
     layer on the last (megatron's parallel_state must be initialized with the same layout).
@@ -59,7 +59,8 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
 
     The output layer gathers the vocabulary-parallel logits (`parallel_output=False`, a
     differentiable all-gather), so every TP rank of the last stage sees full [b, s, V_padded] logits.
-    A mixture-of-experts config gets megatron's MoE layers (moe.py; `ep`: the expert-parallel size).
+    A mixture-of-experts config gets megatron's MoE layers (moe.py; `ep` / `etp`: the expert-parallel and
+    expert-tensor-parallel sizes; `etp` is 1 or `tp`).
     `dtype`: what the model computes in (megatron's config: bf16 attention softmax in fp32, bf16
     activations between stages); `load_dtype`: the parameters' dtype on return, where the
     checkpoint is loaded (default `dtype`; --bf16 loads fp32 for the main copies, precision.py).
@@ -69,7 +70,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     layout.check(config.num_hidden_layers)
     theta, _ = mc._rope(config)
     granularity, method, num_layers = recompute
-    base = moe.transformer_config(config, dtype, ep) if is_moe else mc.transformer_config(config, dtype)
+    base = moe.transformer_config(config, dtype, ep, etp) if is_moe else mc.transformer_config(config, dtype)
     tconf = dataclasses.replace(base, tensor_model_parallel_size=tp,
                                 sequence_parallel=sequence_parallel, recompute_granularity=granularity,
                                 recompute_method=method if granularity == "full" else None,
@@ -94,7 +95,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
         rotary_base=theta,
         vp_stage=vp,
     )
-    _mark_tensor_parallel(model)
+    _mark_tensor_parallel(model, split_experts=etp > 1)
     _pad_row_without_lookup_gradient(model, getattr(config, "pad_token_id", None), config.vocab_size)
     model.to(load_dtype or dtype)
     # dropout is 0 anyway; eval keeps it that way for any future layer. megatron recomputes only in
@@ -153,15 +154,16 @@ def _pad_row_without_lookup_gradient(model, pad_id: int | None, vocab_size: int)
     emb.register_forward_hook(detach_pad_positions)
 
 
-def _mark_tensor_parallel(model) -> None:
+def _mark_tensor_parallel(model, split_experts: bool) -> None:
     """Give the TP-split weights megatron's `tensor_model_parallel` / `partition_dim` attributes.
 
     megatron-core sets them while it initializes a weight; with `use_cpu_initialization` and
     `perform_initialization=False` (every weight comes from the HF checkpoint) it skips that, so
     the attributes that gradient-norm bookkeeping (`param_is_not_tensor_parallel_duplicate`) and
-    our sharding (weights.py) read would be missing. Same values megatron would set, except that
-    an MoE expert's linear layers are marked whole (not TP-split): slime builds experts with expert
-    tensor parallelism 1, so under TP every rank holds each of its experts entirely."""
+    our sharding (weights.py) read would be missing. Same values megatron would set. An MoE expert's
+    linear layers are split over the expert-TP group, which slime builds as the TP group
+    (`split_experts`: expert tensor parallelism = TP) or of size 1 (every TP rank holds each of its
+    experts whole: marked not TP-split)."""
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0
@@ -171,6 +173,5 @@ def _mark_tensor_parallel(model) -> None:
             continue
         w = getattr(m, "weight", None)
         if w is not None and not hasattr(w, "tensor_model_parallel"):
-            # MoE experts: expert tensor parallelism is 1 (moe.py), every TP rank holds them whole
-            expert = getattr(m, "is_expert", False)
-            set_tensor_model_parallel_attributes(w, not expert, dim if not expert else -1, 1)
+            whole = getattr(m, "is_expert", False) and not split_experts
+            set_tensor_model_parallel_attributes(w, not whole, dim if not whole else -1, 1)

@@ -42,10 +42,12 @@ forward its real tokens (usage metrics), its replayed experts (R2/R3) and keep w
 the load-balancing loss (`pipeline_aux`). Expert parallelism is not built with it yet (refused at
 parse time, slime.moe_flags).
 
-Tensor parallelism (with sequence parallelism, which megatron's MoE layers require): experts are
-built with expert tensor parallelism 1, whole on every TP rank, each routing its part of the sequence
-(`MegatronRoutingHook.sp_rank`); the same per-forward state covers the TP group's micro-batch, sliced
-to the rank's positions, and `local_aux_term` gives the rank's share of the load-balancing loss.
+Tensor parallelism (with sequence parallelism, which megatron's MoE layers require): each TP rank's
+routers route its part of the sequence (`MegatronRoutingHook.sp_rank`); the same per-forward state
+covers the TP group's micro-batch, sliced to the rank's positions, and `local_aux_term` gives the
+rank's share of the load-balancing loss. The experts are split over the TP group (expert tensor
+parallelism = TP, megatron's default: the dispatcher gathers the group's tokens, weights.py splits
+the expert weights like the dense MLP's) or whole on every TP rank (expert tensor parallelism 1).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def dense_twin(config):
     return twin
 
 
-def check_moe_config(config, tp: int, pp: int, ep: int) -> None:
+def check_moe_config(config, tp: int, pp: int, ep: int, etp: int = 1) -> None:
     """Refuse what this module does not build, one line each."""
     mt = config.model_type
     if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
@@ -108,10 +110,14 @@ def check_moe_config(config, tp: int, pp: int, ep: int) -> None:
     if num_experts(config) % ep:
         raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the model's {num_experts(config)} "
                                "experts")
+    if expert_ffn(config) % etp:
+        raise SlimeConfigError(f"--expert-tensor-parallel-size {etp} must divide the experts' intermediate size "
+                               f"({expert_ffn(config)})")
 
 
-def transformer_config(config, dtype, ep: int = 1):
-    """megatron's TransformerConfig of an HF MoE config (see the module docstring)."""
+def transformer_config(config, dtype, ep: int = 1, etp: int = 1):
+    """megatron's TransformerConfig of an HF MoE config (see the module docstring); `ep` / `etp`: the
+    expert-parallel and expert-tensor-parallel sizes."""
     shims.define_missing_te_gemm()
     shims.cpu_alltoall_dispatcher()
     base = mc.transformer_config(dense_twin(config), dtype)
@@ -119,7 +125,7 @@ def transformer_config(config, dtype, ep: int = 1):
                   moe_ffn_hidden_size=expert_ffn(config), moe_router_pre_softmax=not renormalizes(config),
                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                   moe_token_dispatcher_type="alltoall" if ep > 1 else "allgather",
-                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     if shared_ffn(config):
         fields.update(moe_shared_expert_intermediate_size=shared_ffn(config), moe_shared_expert_gate=True)
     return dataclasses.replace(base, **fields)
@@ -497,9 +503,9 @@ GPU_ONLY_FLAGS = (("moe_grouped_gemm", "--moe-grouped-gemm"), ("moe_permute_fusi
                   ("moe_enable_deepep", "--moe-enable-deepep"))
 
 
-def check_moe_args(args, config, tp: int, pp: int, ep: int, world_size: int) -> None:
+def check_moe_args(args, config, tp: int, pp: int, ep: int, etp: int, world_size: int) -> None:
     """The megatron backend's MoE start-up checks (one line each)."""
-    check_moe_config(config, tp, pp, ep)
+    check_moe_config(config, tp, pp, ep, etp)
     if world_size % ep:
         raise SlimeConfigError(f"--expert-model-parallel-size {ep} must divide the {world_size} train ranks")
     for attr, flag in GPU_ONLY_FLAGS:

@@ -14,6 +14,8 @@ shards and joins the shards back, following each parameter's own megatron attrib
     block of the gate rows followed by the r-th block of the up rows - not the r-th block
     of [gate; up];
   * row-parallel (partition_dim 1): linear_proj, linear_fc2: column blocks;
+  * MoE experts' linear_fc1 / linear_fc2: split the same way when expert tensor parallelism is the TP
+    size (the expert-TP group is then the TP group, rank for rank), whole on every TP rank when it is 1;
   * everything else (norms) is replicated.
 
 Under pipeline parallelism a model chunk holds some decoder layers, numbered from 0 locally:
@@ -59,8 +61,9 @@ def is_tied_duplicate(model, name: str) -> bool:
 
 
 def _is_fc1(name: str) -> bool:
-    """A gated fc1 ([gate; up]): the dense MLP's, or an MoE layer's shared expert's."""
-    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight"))
+    """A gated fc1 ([gate; up]): the dense MLP's, an MoE layer's shared expert's or an expert's (every
+    model slime builds has SwiGLU MLPs)."""
+    return name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
 
 
 def partition_dim(param) -> int | None:

@@ -125,9 +125,9 @@ PP2 = ["--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2]
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-model-parallel-size", 2, "--actor-num-gpus-per-node", 2],
      "--tensor-model-parallel-size 2 with a mixture-of-experts model needs --sequence-parallel"),
-    (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-tensor-parallel-size", 2,
-      "--actor-num-gpus-per-node", 2], "--expert-tensor-parallel-size 2: expert tensor parallelism other than 1 "
-                                       "is not built"),
+    (["--tensor-model-parallel-size", 2, "--sequence-parallel", "--expert-tensor-parallel-size", 4,
+      "--actor-num-gpus-per-node", 4], r"--expert-tensor-parallel-size 4: must be 1 \(every expert whole on each "
+                                       r"tensor-parallel rank\) or the --tensor-model-parallel-size 2"),
 ])
 def test_moe_layouts_not_built_are_refused_at_start_up(moe_dirs, tmp_path, flags, message):
     """What an MoE run on the megatron backend does not build yet: one line at parse time, before any
@@ -226,15 +226,18 @@ def _random_routes(batch, layers=2, top_k=2, experts=4, seed=5):
 
 REPLAY_FLAGS = {"none": [], "r3": ["--use-rollout-routing-replay"],
                 "r2_aux": ["--use-routing-replay", "--moe-aux-loss-coeff", 0.1]}
-# layout: (train ranks, flags)
+# layout: (train ranks, flags); without --expert-tensor-parallel-size it is the TP size (megatron's default)
 LAYOUTS = {"pp2": (2, ["--pipeline-model-parallel-size", 2]),
            "tp2": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+           "tp2_etp1": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
+                            "--expert-tensor-parallel-size", 1]),
            "ep2_pp2_vp2": (4, ["--expert-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
                                "--num-layers-per-virtual-pipeline-stage", 1]),
            "tp2_pp2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
                            "--pipeline-model-parallel-size", 2]),
            "tp2_ep2": (4, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
-                           "--expert-model-parallel-size", 2])}
+                           "--expert-model-parallel-size", 2, "--expert-tensor-parallel-size", 1])}
+EXPERT_TP = {"tp2": 2, "tp2_pp2": 2}  # the layouts whose experts are split over the TP group
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +283,17 @@ def _train_two_rollouts(model_dir, tmp_path, batch, ranks, mbs, flags, save=None
         group.shutdown()
 
 
+def _expert_fc2_widths(ckpt: str) -> set[int]:
+    """The column counts of the pieces the experts' linear_fc2 weights were written in (torch's checkpoint
+    metadata of megatron's distributed checkpoint)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(Path(ckpt) / "train_state")).read_metadata().state_dict_metadata
+    keys = [k for k in md if "experts" in k and k.endswith("linear_fc2.weight") and not k.startswith("optimizer")]
+    assert keys, sorted(md)[:20]
+    return {int(c.sizes[-1]) for k in keys for c in md[k].chunks}
+
+
 _ONE_RANK: dict = {}  # (model, replay) -> the one-rank run both layouts compare with (one module, one worker)
 
 
@@ -292,13 +306,14 @@ def _one_rank(model_dir, tmp_path, replay):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, replay, family", [
-    ("pp2", "none", "qwen3_moe"), ("tp2", "r2_aux", "qwen3_moe"), ("tp2", "none", "qwen2_moe"),
+    ("pp2", "none", "qwen3_moe"), ("tp2", "r2_aux", "qwen3_moe"), ("tp2_etp1", "none", "qwen2_moe"),
     ("tp2_pp2", "r2_aux", "qwen3_moe"), ("tp2_ep2", "r3", "qwen3_moe"), ("ep2_pp2_vp2", "r3", "qwen3_moe_4l")])
 def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_path, ray_session):
     """PP 2 (one MoE layer per stage, 1F1B) and TP 2 with sequence parallelism (each TP rank routes its
-    half of the sequence; experts whole on both) against one rank: the same metrics (expert usage
-    included), HF-named weights and AdamW state after two steps. PP 2's checkpoint loads at one rank
-    exactly. R3: random experts given for every token are replayed (the trainer's log-probs move far
+    half of the sequence; each expert split over the two (expert tensor parallelism 2, megatron's
+    default), or whole on both with --expert-tensor-parallel-size 1) against one rank: the same metrics
+    (expert usage included), HF-named weights and AdamW state after two steps. PP 2's and TP 2's
+    checkpoints load at one rank exactly; TP 2's holds each expert's fc2 as two column halves. R3: random experts given for every token are replayed (the trainer's log-probs move far
     from the rollout's). R2 together with the load-balancing loss (one case each would cost CI a minute;
     each was checked alone on 2026-11-27; so were PP 2 with R3, PP 2 with R2 and the loss, and TP 2 with
     R3, which CI covers through the combined layouts below): the old-policy forward's routing, joined over the stages or
@@ -316,7 +331,8 @@ def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_p
     m1, (s1, o1) = _one_rank(model_dir, tmp_path, replay)
     # the load-balancing loss is one formula over a micro-batch's tokens: the model-parallel group's
     # micro-batch (its ranks' samples together) must be the one rank's (4 samples)
-    ckpt = str(tmp_path / "ckpt") if (layout, replay) in (("pp2", "none"), ("tp2_ep2", "r3")) else None
+    ckpt = str(tmp_path / "ckpt") if (layout, replay) in (("pp2", "none"), ("tp2_ep2", "r3"), ("tp2", "r2_aux")) \
+        else None
     ranks, flags = LAYOUTS[layout]
     m2, (s2, o2) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), ranks,
                                        2 if replay == "r2_aux" else 1, [*flags, *REPLAY_FLAGS[replay]], save=ckpt)
@@ -339,7 +355,11 @@ def test_model_parallel_matches_one_rank(layout, replay, family, kv2_dirs, tmp_p
         assert free_metrics[0]["train/loss"] != pytest.approx(m1[0]["train/loss"], rel=1e-4)
         router = "model.layers.0.mlp.gate.weight"
         assert (free[router] - s1[router]).abs().max() > 1e-4
-    if ckpt:  # PP 2's, and TP 2 x EP 2's, checkpoint at one rank
+    if ckpt:  # PP 2's, TP 2's and TP 2 x EP 2's checkpoints at one rank
+        # each expert's fc2 [hidden, ffn] as the ranks wrote it: halves of the ffn columns when the experts
+        # are split over the TP group (ETP 2), whole when every TP rank holds them (ETP 1)
+        ffn = AutoConfig.from_pretrained(model_dir).moe_intermediate_size
+        assert _expert_fc2_widths(ckpt) == {ffn // EXPERT_TP.get(layout, 1)}
         *_, (s_loaded, o_loaded) = _train_two_rollouts(model_dir, tmp_path, _moe_batch(model_dir, replay), 1, 4, [],
                                                        load=ckpt)
         assert_states_close(s_loaded, s2, atol=0)
