@@ -98,7 +98,11 @@ class FSDPBackend(StepTail):
 
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self.value_head = value_head
-        if value_head:  # PPO critic: the same backbone with a freshly initialized 1-output token head
+        if value_head and is_vision_config(self.hf_config):  # the VL model with a 1-output head (vision.py)
+            model = vision.load_critic(args.hf_checkpoint, dtype=torch.float32,
+                                       attn_implementation=args.attn_implementation)
+            self.hf_config = model.config
+        elif value_head:  # PPO critic: the same backbone with a freshly initialized 1-output token head
             try:
                 model = AutoModelForTokenClassification.from_pretrained(
                     args.hf_checkpoint, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation
@@ -251,12 +255,15 @@ class FSDPBackend(StepTail):
         with torch.set_grad_enabled(grad):
             if self.pack:
                 inputs, score = self._pack(mb)
-                out = self.model(**inputs).logits
+                with vision.images_only(self.model, inputs.pop(vision.IMAGE_MASK, None)):
+                    out = self.model(**inputs).logits
                 if score.numel() == 0:
                     return out.new_zeros(0, dtype=torch.float32) + 0.0 * out.sum()
                 return out[0, score, 0].float()
             ids, attn, prompt_lens = self._pad(mb)
-            out = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits[..., 0]  # [B, t]
+            images = vision.padded_inputs(self.model, self.images, mb, ids, attn) if vision.has_images(mb) else {}
+            with vision.images_only(self.model, images.pop(vision.IMAGE_MASK, None)):
+                out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, **images).logits[..., 0]  # [B, t]
             values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
                                 enumerate(zip(prompt_lens, mb.response_lengths))])
             if values.numel() == 0 and torch.is_grad_enabled():

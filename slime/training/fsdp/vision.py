@@ -24,9 +24,28 @@ import contextlib
 
 import torch
 
-from slime.utils.vision import VisionProcessor, image_token_mask, rope_index, vl_core
+from slime.utils.vision import VisionProcessor, image_token_mask, load_lm, rope_index, vl_core
 
 IMAGE_MASK = "slime_image_mask"  # the key of the image-slot mask among a forward's inputs
+
+
+def load_critic(path: str, **kwargs) -> torch.nn.Module:
+    """The PPO critic of a vision-language model. transformers has no token-classification class for
+    the Qwen-VL family, so the critic is the model itself (`load_lm`) with its language-model head
+    replaced by a fresh 1-output linear layer, what `AutoModelForTokenClassification(num_labels=1)`
+    puts on a text model (`score`: weight ~ N(0, initializer_range), bias 0): the forward's `.logits`
+    are then the values [B, L, 1], and the vision tower trains with the rest."""
+    model = load_lm(path, **kwargs)
+    text = model.config.get_text_config(decoder=True)
+    lm_head = model.get_output_embeddings()
+    head = torch.nn.Linear(lm_head.in_features, 1, bias=True, dtype=lm_head.weight.dtype)
+    with torch.no_grad():
+        head.weight.normal_(0.0, float(text.initializer_range))
+        head.bias.zero_()
+    model.set_output_embeddings(head)
+    for config in {id(c): c for c in (model.config, text)}.values():
+        config.tie_word_embeddings = False  # the value head is its own weight, never the embedding
+    return model
 
 
 def has_images(mb) -> bool:

@@ -1,7 +1,7 @@
 """Images in prompts (a tiny random Qwen2.5-VL): the native engine's `image_data` and the FSDP
 trainer's pixel inputs give the same log-probs (fp32, within 1e-5), packed or padded, with image
 and text requests sharing the engine's decode batch; the vision tower trains and its weights reach
-the engine; bad image requests are refused with the field named."""
+the engine; the PPO critic sees the images; bad image requests are refused with the field named."""
 
 from __future__ import annotations
 
@@ -134,6 +134,40 @@ def test_vision_tower_trains_is_pushed_to_the_engine_and_can_be_frozen(tiny_vl_m
         assert any(p.requires_grad for n, p in frozen.model.named_parameters() if "language_model" in n)
     finally:
         frozen.close()
+
+
+def test_ppo_critic_values_see_the_images_and_train(engine, images, tiny_vl_model_dir, tmp_path):
+    """The PPO critic of a VL model (its LM head replaced by a 1-output value head): values of image
+    prompts, packed and padded alike, depend on the pixels; a few regression steps toward fixed
+    returns lower the value loss and train the vision tower too."""
+    mb, _ = _rollout(engine, images)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    args = make_args(tiny_vl_model_dir, tmp_path, "--advantage-estimator", "ppo", "--critic-lr", 1e-4)
+    critic = FSDPBackend(args, 0, 1, LOOPBACK, free_port(), value_head=True)
+    try:
+        assert critic.pack and critic.model.get_output_embeddings().out_features == 1
+        values = critic.forward_values(mb)
+        assert values.shape == (sum(mb.response_lengths),)
+        critic.pack = False
+        torch.testing.assert_close(critic.forward_values(mb), values, atol=1e-5, rtol=1e-5)
+        critic.pack = True
+        blind = critic.forward_values(MicroBatch(mb.tokens, mb.response_lengths))
+        image_rows = torch.cat([torch.full((n,), imgs is not None) for n, imgs in zip(mb.response_lengths, mb.images)])
+        assert (blind - values)[image_rows].abs().min() > 1e-4  # every image prompt's values move without it
+        torch.testing.assert_close(blind[~image_rows], values[~image_rows], atol=1e-5, rtol=1e-5)
+
+        returns = image_rows.float() * 2 - 1  # +1 on the image prompts' tokens, -1 on the text prompt's
+        patch = next(p for n, p in critic.model.named_parameters() if n.endswith("patch_embed.proj.weight"))
+        before = patch.detach().clone()
+        losses = []
+        for _ in range(4):
+            losses.append(float(((critic.forward_values(mb) - returns) ** 2).mean()))
+            critic.train_step([mb], lambda k, v, ent: ((v - returns) ** 2).mean())
+        print("value loss per step:", [round(x, 4) for x in losses])
+        assert losses[-1] < 0.5 * losses[0], losses
+        assert not torch.equal(patch.detach(), before)
+    finally:
+        critic.close()
 
 
 def test_bad_image_requests_name_the_field(engine, images, tiny_model_dir, tmp_path):
