@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
-from transformers import AutoConfig
 
 from slime import model_flags, script_flags
 from slime.data.dataset import check_prompt_file
@@ -488,6 +487,8 @@ def validate_lr_schedule(args: Args) -> None:
 
 def hf_config(path: str):
     """The Hugging Face config of a checkpoint directory (transformers' AutoConfig), or a one-line error."""
+    from transformers import AutoConfig  # here: the driver imports transformers only when a check reads a config
+
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as e:  # an unknown model type, a malformed config.json

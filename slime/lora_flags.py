@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from slime.utils.errors import SlimeConfigError
 
@@ -133,6 +132,8 @@ def _from_adapter(args) -> None:
 
 def meta_model(hf_checkpoint: str):
     """The checkpoint's causal LM built on the meta device (module names and shapes, no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # here: only a LoRA run's checks need them
+
     config = AutoConfig.from_pretrained(hf_checkpoint)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

@@ -22,7 +22,6 @@ import json
 import random
 from typing import Any, Callable, Protocol
 
-from transformers import AutoTokenizer
 
 from slime.data.dataset import Prompt, load_prompts
 from slime.data.sft import conversation_sample, load_conversations
@@ -140,6 +139,8 @@ class RolloutDataSource:
     def __init__(self, args, prompts: list | None = None, to_sample: Callable[[Any], Sample] = prompt_sample):
         self.args = args
         if prompts is None:
+            from transformers import AutoTokenizer  # here: the driver imports this module
+
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
             prompts = load_prompts(args.prompt_data, tokenizer, args.input_key, args.label_key, args.metadata_key,
                                    args.apply_chat_template, args.rollout_max_prompt_len, args.tool_key,

@@ -23,7 +23,6 @@ import threading
 import time
 
 import ray
-from transformers import AutoTokenizer
 
 from slime.data.source import make_data_source
 from slime.engines.fleet import EngineFleet, LaunchedEngines, launch_engines
@@ -85,6 +84,8 @@ class RolloutManager:
     def init(self) -> list[str]:
         """Load the data, start the engines; returns the engine URLs. Data errors surface here."""
         args = self.args
+        from transformers import AutoTokenizer  # here, in the manager's process: the driver imports this module
+
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         # custom code may ask for the tokenizer and config before the engines are up
         api.set_context(api.RolloutContext(args, self.tokenizer, None, "", args.custom_config))

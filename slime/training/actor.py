@@ -49,15 +49,12 @@ from slime.algorithms.off_policy import off_policy_tis, policy_loss_for, token_m
 from slime.algorithms.opd import distill_advantages, reverse_kl, served_teacher_log_probs
 from slime.observability.profiling import profile_rollout
 from slime.training.backend import MicroBatch, TrainBackend
-from slime.training.freeze import copy_policy_into_reference, load_reference, ref_update_due, save_reference
 from slime.training.micro_batches import token_budget_micro_batches
-from slime.training.fsdp.backend import FSDPBackend
 from slime.training.offload import Offloader, backend_tensors, resident, rss_bytes
 from slime.training.throughput import StepMeter, parameter_count
 from slime.training.weight_sync import check_engine_weights, make_transport
 from slime.training.weight_sync.served import served_weights
 from slime.types import RolloutBatch
-from slime.utils.checkpoint_data import load_tensors_file, rng_states, set_rng_states
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hooks import load_function
 from slime.utils.net import free_port, node_address
@@ -68,6 +65,12 @@ METRIC_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "ppo
 CRITIC_METRIC_KEYS = ("value_loss", "value_clipfrac", "values", "returns")
 
 
+def _fsdp_backend(*args, **kwargs) -> TrainBackend:
+    from slime.training.fsdp.backend import FSDPBackend  # here: the driver imports this module (TrainGroup)
+
+    return FSDPBackend(*args, **kwargs)
+
+
 def _megatron_backend(*args, **kwargs) -> TrainBackend:
     require_megatron()  # a one-line error naming the install command when megatron-core is missing
     from slime.training.megatron.backend import MegatronBackend  # optional heavy dependency: only when asked for
@@ -76,7 +79,10 @@ def _megatron_backend(*args, **kwargs) -> TrainBackend:
 
 
 # --train-backend -> Backend(args, rank, world_size, master_addr, master_port, with_ref=, value_head=)
-BACKENDS: dict[str, Callable[..., TrainBackend]] = {"fsdp": FSDPBackend, "megatron": _megatron_backend}
+# The driver imports this module for the TrainGroup's Ray actor class, so the backends and the reference
+# model's functions (slime.training.freeze), which import torch.distributed's checkpoint and tensor
+# packages and transformers, are imported where they are used, in the train ranks.
+BACKENDS: dict[str, Callable[..., TrainBackend]] = {"fsdp": _fsdp_backend, "megatron": _megatron_backend}
 
 # token_loss(step, sample indices, out, entropy, loss mask) -> (per-token loss, {metric: per-token values})
 TokenLoss = Callable[[int, list[int], Tensor, "Tensor | None", Tensor], tuple[Tensor, dict[str, Tensor]]]
@@ -329,6 +335,8 @@ class TrainActor:
         ro = self._policy_rollout(batch, masks, values)
         steps = self._run_steps(batch, masks, partial(self._policy_token_loss, ro), METRIC_KEYS,
                                 entropy_grad=bool(args.entropy_coef))
+        from slime.training.freeze import copy_policy_into_reference, ref_update_due  # see BACKENDS
+
         if self.use_ref and ref_update_due(rollout_id, args.ref_update_interval):  # the reference follows the policy
             copy_policy_into_reference(be.model, be.ref_model)
             self._ref_moved = True
@@ -580,6 +588,9 @@ class TrainActor:
     @resident
     def save(self, path: str) -> None:
         """Model and optimizer (the backend's format), a reference that followed the policy, this rank's RNG states."""
+        from slime.training.freeze import save_reference  # see BACKENDS
+        from slime.utils.checkpoint_data import rng_states  # it imports torch.distributed.checkpoint
+
         self.backend.save(path)
         if self._ref_moved:
             save_reference(self.backend, path)
@@ -587,6 +598,9 @@ class TrainActor:
 
     @resident
     def load(self, path: str) -> None:
+        from slime.training.freeze import load_reference  # see BACKENDS
+        from slime.utils.checkpoint_data import load_tensors_file, set_rng_states  # see save
+
         self.backend.load(path)
         self._ref_moved = load_reference(self.backend, path) or self._ref_moved
         rng_path = os.path.join(path, f"rng_{self.role}_rank{self.rank}.pt")

@@ -32,7 +32,6 @@ from typing import Iterable
 import psutil
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from slime.utils import run_dirs
 
@@ -54,6 +53,8 @@ def trim_heap() -> None:
 
 
 def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor  # here: the driver imports this module (slime.training.actor)
+
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

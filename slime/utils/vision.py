@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
-import transformers  # its Auto classes are looked up when used: importing them pulls the modeling code (~2 s)
 
 IMAGE_PAD = "<|image_pad|>"
 _BASE64 = re.compile(r"[A-Za-z0-9+/\s]+=*\s*")
@@ -141,6 +140,8 @@ def is_vision_config(config) -> bool:
 def load_lm(path: str, **kwargs) -> torch.nn.Module:
     """The Hugging Face model of `path` with a language-model head: `AutoModelForCausalLM`, or for a
     vision-language model `AutoModelForImageTextToText` (e.g. Qwen2_5_VLForConditionalGeneration)."""
+    import transformers  # here, as in VisionProcessor: the driver imports this module for its helpers only
+
     vision = is_vision_config(transformers.AutoConfig.from_pretrained(path))
     cls = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
     return cls.from_pretrained(path, **kwargs)
@@ -160,6 +161,8 @@ class VisionProcessor:
     """Images -> model inputs for a Qwen-VL model directory (its tokenizer and image processor)."""
 
     def __init__(self, path: str, tokenizer=None, config=None):
+        import transformers  # see load_lm
+
         config = config or transformers.AutoConfig.from_pretrained(path)
         if not is_vision_config(config):
             raise ValueError(f"{path}: {getattr(config, 'model_type', '?')} is a text-only model")

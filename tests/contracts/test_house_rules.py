@@ -25,10 +25,17 @@ OPTIONAL = {"megatron", "vllm", "sglang", "wandb", "reasoning_gym", "verifiers",
 OPTIONAL_SLIME = ("slime.training.megatron.",)  # the megatron backend imports megatron-core at its top
 # modules that import torch and transformers (and slime.utils.vision, which needs both) only in the
 # function that uses them: every Ray actor imports the first two when it unpickles `args`
-# (tests/unit/core/test_arguments.py checks that this imports neither), and every driver the third
-CHEAP_TO_IMPORT = {"slime.data.images", "slime.script_flags", "slime.off_policy_flags"}
-DEFERRED = {"torch", "transformers"}
-DEFERRED_SLIME = ("slime.utils.vision",)
+# (tests/unit/core/test_arguments.py checks that this imports neither), and every driver the third.
+# The driver's imports (train.py's process) defer transformers, math-verify and the trainer's stack
+# to the processes that use them (tests/unit/core/test_driver_imports.py)
+CHEAP_TO_IMPORT = {"slime.data.images", "slime.script_flags", "slime.off_policy_flags",
+                   "slime.argument_checks", "slime.lora_flags", "slime.utils.vision", "slime.data.source",
+                   "slime.rollout.manager", "slime.rollout.rewards.llm_judge", "slime.rollout.rewards.math",
+                   "slime.rollout.rewards.reward_model", "slime.training.actor", "slime.training.offload",
+                   "slime.training.weight_sync.adapter", "slime.training.weight_sync.served"}
+DEFERRED = {"torch", "transformers", "math_verify"}
+DEFERRED_SLIME = ("slime.utils.vision", "slime.training.fsdp.backend", "slime.training.freeze", "slime.training.lora",
+                  "slime.utils.checkpoint_data", "slime.utils.hf_export")
 
 
 def _module_name(path: Path) -> str:

@@ -27,7 +27,6 @@ import asyncio
 import os
 import threading
 
-from transformers import AutoTokenizer
 
 from slime.reward_flags import JudgeTemplate, judge_model_path, load_judge_template
 from slime.rollout.api import context
@@ -43,6 +42,8 @@ def judge_tokenizer(path: str):
     key = os.path.realpath(path)
     with _TOKENIZERS_LOCK:
         if key not in _TOKENIZERS:
+            from transformers import AutoTokenizer  # here: the driver imports this module
+
             _TOKENIZERS[key] = AutoTokenizer.from_pretrained(path)
         return _TOKENIZERS[key]
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from math_verify import parse, verify
-
 
 class _NoTimeoutWarning(logging.Filter):
     # math-verify warns on every call when its signal-based timeouts are off; slime
@@ -20,6 +18,8 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 
 def _parse(text: str):
+    from math_verify import parse  # here: it imports sympy, which the driver (importing this module) never needs
+
     return parse(text, parsing_timeout=None)
 
 
@@ -38,4 +38,6 @@ def math_reward(response: str, label) -> float:
     answer = _parse(response)
     if not answer:
         return 0.0
+    from math_verify import verify  # see _parse
+
     return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0

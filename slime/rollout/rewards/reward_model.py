@@ -31,7 +31,6 @@ import os
 import threading
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +55,8 @@ class RewardModel:
         with self._lock:
             if self.model is not None:
                 return
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer  # here: the driver imports this module
+
             tokenizer = AutoTokenizer.from_pretrained(self.path)
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32)

@@ -28,7 +28,6 @@ from torch import Tensor
 
 from slime.engines.control import EngineControl, EngineError
 from slime.engines.kinds import POLICY_LORA_NAME
-from slime.training.lora import write_adapter
 from slime.training.weight_sync.buckets import DEFAULT_TIMEOUT, call_all, engine_pool, tensor_bytes
 from slime.training.weight_sync.disk import own_directory
 from slime.utils import run_dirs
@@ -58,6 +57,8 @@ class AdapterTransport:
             return {"bytes": 0, "payload_bytes": 0, "buckets": 0, "seconds": time.perf_counter() - t0,
                     "num_engines": 0}
         out = Path(own_directory(self.directory)) / f"lora-v{weight_version}-{uuid.uuid4().hex[:8]}"
+        from slime.training.lora import write_adapter  # here: slime.training.lora imports peft
+
         write_adapter(out, tensors, self.config)
         with engine_pool(len(self.engines)) as pool:
             call_all(pool, [partial(self._swap, e, str(out), weight_version) for e in self.engines])

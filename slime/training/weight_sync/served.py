@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from slime.engines.kinds import engine_kind
-from slime.utils.hf_export import checkpoint_named_weights
 
 
 def served_weights(args, hf_config, named_weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
@@ -23,4 +22,8 @@ def served_weights(args, hf_config, named_weights: Iterable[tuple[str, Tensor]])
     kind = engine_kind(args)
     dtype = getattr(torch, kind.serve_dtype(args) or ("bfloat16" if args.bf16 else "float32"))
     cast = ((key, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t) for key, t in named_weights)
-    return checkpoint_named_weights(hf_config, cast) if kind.loads_checkpoint_names and hf_config is not None else cast
+    if kind.loads_checkpoint_names and hf_config is not None:
+        from slime.utils.hf_export import checkpoint_named_weights  # here: it imports transformers (the driver imports this module)
+
+        return checkpoint_named_weights(hf_config, cast)
+    return cast
