@@ -49,9 +49,13 @@ def ray_env() -> dict[str, str]:
 
 class HeadNode:
     def __init__(self, num_cpus: int = 2):
+        self.num_cpus = num_cpus
+        self._pick()
+
+    def _pick(self) -> None:
+        """A fresh temp dir and ports."""
         self.temp_dir = tempfile.mkdtemp(prefix="slray", dir="/tmp")  # short: Ray's socket paths are limited
         self.port, self.dashboard_port = free_port(), free_port()
-        self.num_cpus = num_cpus
 
     @property
     def address(self) -> str:
@@ -62,7 +66,21 @@ class HeadNode:
     def dashboard(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def start(self, timeout: float = 240) -> "HeadNode":
+    def start(self, timeout: float = 240, attempts: int = 3) -> "HeadNode":
+        """`ray start --head`; tried again (fresh ports, a fresh temp dir) when it fails: the ports are
+        free when picked but another process on the machine may take one before Ray binds it, and the
+        e2e session's shared head failing once would fail every test of its pytest worker."""
+        errors = []
+        for attempt in range(attempts):
+            if attempt:
+                self._pick()
+            error = self._start(timeout)
+            if error is None:
+                return self
+            errors.append(error)
+        raise RuntimeError(f"ray start failed {attempts} times; the last:\n{errors[-1]}")
+
+    def _start(self, timeout: float) -> str | None:
         cmd = ["ray", "start", "--head", "--port", str(self.port), "--node-ip-address", "127.0.0.1",
                "--num-cpus", str(self.num_cpus), "--include-dashboard", "true",
                "--dashboard-port", str(self.dashboard_port), "--dashboard-host", "127.0.0.1",
@@ -73,11 +91,15 @@ class HeadNode:
                      "--runtime-env-agent-port", "--ray-client-server-port", "--node-manager-port",
                      "--object-manager-port"):
             cmd += [flag, str(free_port())]
-        proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, env=ray_env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return f"no answer within {timeout:.0f} s"
         if proc.returncode != 0:
             self.stop()
-            raise RuntimeError(f"ray start failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        return self
+            return f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        return None
 
     def processes(self) -> list[psutil.Process]:
         return processes_of(self.temp_dir)
