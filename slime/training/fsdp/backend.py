@@ -255,15 +255,13 @@ class FSDPBackend(StepTail):
         with torch.set_grad_enabled(grad):
             if self.pack:
                 inputs, score = self._pack(mb)
-                with vision.images_only(self.model, inputs.pop(vision.IMAGE_MASK, None)):
-                    out = self.model(**inputs).logits
+                out, _ = self._head_inputs(self.model, **inputs)  # a value head: its outputs, the values
                 if score.numel() == 0:
                     return out.new_zeros(0, dtype=torch.float32) + 0.0 * out.sum()
                 return out[0, score, 0].float()
             ids, attn, prompt_lens = self._pad(mb)
             images = vision.padded_inputs(self.model, self.images, mb, ids, attn) if vision.has_images(mb) else {}
-            with vision.images_only(self.model, images.pop(vision.IMAGE_MASK, None)):
-                out = self.model(input_ids=ids, attention_mask=attn, use_cache=False, **images).logits[..., 0]  # [B, t]
+            out = self._head_inputs(self.model, input_ids=ids, attention_mask=attn, use_cache=False, **images)[0][..., 0]
             values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
                                 enumerate(zip(prompt_lens, mb.response_lengths))])
             if values.numel() == 0 and torch.is_grad_enabled():
