@@ -6,15 +6,18 @@ word-level vocabulary can answer) at a random place and size; the prompt (the sa
 asks for the colour's digit, scored by `--rm-type math`. The text alone never tells the colour: a
 policy that does not look at the pixels can at best always give the most frequent label.
 
-GRPO on it with the tiny random Qwen2.5-VL (tests/e2e/test_vlm.py runs this; docs/vlm.md has the figures):
+GRPO on it with the tiny random Qwen2.5-VL learns to read the colour (tests/e2e/test_vlm.py runs this;
+docs/vlm.md has the figures):
 
     python -m slime.utils.tiny_model /tmp/tiny_vl --vl     # or a real Qwen2.5-VL checkpoint
-    python examples/vlm_shapes.py /tmp/vlm_task --colours 2 --size 56   # images/, train.jsonl, eval.jsonl
+    python examples/vlm_shapes.py /tmp/vlm_task --colours 2 --size 84   # images/, train.jsonl, eval.jsonl
     python train.py --actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 \\
         --hf-checkpoint /tmp/tiny_vl --prompt-data /tmp/vlm_task/train.jsonl --input-key prompt --label-key label \\
         --apply-chat-template --multimodal-keys '{"image": "images"}' --rm-type math --advantage-estimator grpo \\
         --rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 64 \\
-        --num-rollout 8 --rollout-max-response-len 1 --rollout-temperature 1.0 --lr 1e-2 --output-dir /tmp/vlm_out
+        --num-rollout 96 --rollout-max-response-len 1 --rollout-temperature 1.0 --lr 1e-3 --seed 1 \\
+        --eval-prompt-data shapes /tmp/vlm_task/eval.jsonl --n-samples-per-eval-prompt 8 --eval-interval 96 \\
+        --output-dir /tmp/vlm_out
 
 examples/vlm_multiturn.py is a custom generate function on this task in which the environment shows
 a second image after the model's first answer.
@@ -51,15 +54,20 @@ def draw(shape: str, colour: tuple[int, int, int], rng: random.Random, size: int
 def make_vlm_task(out_dir: str | Path, n_train: int = 64, n_eval: int = 16, seed: int = 0, colours: int = 4,
                   size: int = 84) -> tuple[Path, Path]:
     """Write `images/*.png`, `train.jsonl` and `eval.jsonl` (image paths relative to the files): the
-    first `colours` colours of COLOURS, `size`x`size` images."""
+    first `colours` colours of COLOURS, `size`x`size` images. The labels are balanced: each run of
+    `colours` rows has every label once, so a policy blind to the pixels scores 1/colours on any
+    run of them (a batch of a multiple of `colours` prompts)."""
     labels = sorted(COLOURS)[:colours]
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for name, n in (("train.jsonl", n_train), ("eval.jsonl", n_eval)):
         with open(out_dir / name, "w") as f:
+            block: list[str] = []
             for i in range(n):
-                label, shape = rng.choice(labels), rng.choice(SHAPES)
+                if not block:  # every `colours` rows hold each label once, in a random order
+                    block = rng.sample(labels, len(labels))
+                label, shape = block.pop(), rng.choice(SHAPES)
                 image = f"images/{name.split('.')[0]}_{i}.png"
                 draw(shape, COLOURS[label], rng, size).save(out_dir / image)
                 row = {"prompt": PROMPT, "images": [image], "label": label}
