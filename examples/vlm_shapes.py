@@ -3,8 +3,8 @@
 Each row's image is a shape (circle, square or triangle) drawn with Pillow in one of the first
 `--colours` of four colours (0 red, 1 green, 2 blue, 3 yellow: digits, so the tiny model's
 word-level vocabulary can answer) at a random place and size; the prompt (the same for every row)
-asks for the colour's digit, scored by `--rm-type math`. The text alone never tells the colour: a
-policy that does not look at the pixels can at best always give the most frequent label.
+asks for the colour's digit, scored by `--rm-type math`. The text alone never tells the colour, and
+the labels are balanced: a policy that does not look at the pixels scores 1/colours.
 
 GRPO on it with the tiny random Qwen2.5-VL learns to read the colour (tests/e2e/test_vlm.py runs this;
 docs/vlm.md has the figures):

@@ -22,7 +22,6 @@ import json
 import random
 from typing import Any, Callable, Protocol
 
-
 from slime.data.dataset import Prompt, load_prompts
 from slime.data.sft import conversation_sample, load_conversations
 from slime.types import Sample

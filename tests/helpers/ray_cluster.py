@@ -70,15 +70,13 @@ class HeadNode:
         """`ray start --head`; tried again (fresh ports, a fresh temp dir) when it fails: the ports are
         free when picked but another process on the machine may take one before Ray binds it, and the
         e2e session's shared head failing once would fail every test of its pytest worker."""
-        errors = []
         for attempt in range(attempts):
             if attempt:
                 self._pick()
             error = self._start(timeout)
             if error is None:
                 return self
-            errors.append(error)
-        raise RuntimeError(f"ray start failed {attempts} times; the last:\n{errors[-1]}")
+        raise RuntimeError(f"ray start failed {attempts} times; the last:\n{error}")
 
     def _start(self, timeout: float) -> str | None:
         cmd = ["ray", "start", "--head", "--port", str(self.port), "--node-ip-address", "127.0.0.1",

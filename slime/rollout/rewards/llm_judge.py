@@ -27,7 +27,6 @@ import asyncio
 import os
 import threading
 
-
 from slime.reward_flags import JudgeTemplate, judge_model_path, load_judge_template
 from slime.rollout.api import context
 
