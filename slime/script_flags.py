@@ -60,12 +60,17 @@ def _needs(cond: Callable, why: str):
 
 
 def _multimodal_keys(args, value, moe):
-    """--multimodal-keys '{"image": COLUMN}': a vision-language checkpoint, the FSDP trainer, chat prompts."""
+    """--multimodal-keys '{"image": COLUMN}': a vision-language checkpoint, chat prompts, a trainer that takes images."""
     if set(value) != {"image"} or not isinstance(value["image"], str) or not value["image"]:
         return f"must map \"image\" to the dataset column of the images, e.g. '{{\"image\": \"images\"}}', " \
                f"got {value!r}"
     if args.train_backend == "megatron":
-        return "images are built for --train-backend fsdp only"
+        from slime.training.vision import megatron_refusal
+
+        why = megatron_refusal(args.pipeline_model_parallel_size, args.advantage_estimator == "ppo",
+                               bool(getattr(args, "opd_teacher_load", None)))
+        if why:
+            return why
     if not args.apply_chat_template:
         return "needs --apply-chat-template (the chat template places the images in the prompt)"
     config = Path(args.hf_checkpoint or "") / "config.json"

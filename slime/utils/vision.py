@@ -214,7 +214,7 @@ def vl_core(model: torch.nn.Module) -> torch.nn.Module:
 
 def image_token_mask(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, L] bool: the image tokens (`<|image_pad|>`) of input_ids; which of them hold image features
-    is the trainer's choice (slime.training.fsdp.vision.slots)."""
+    is the trainer's choice (slime.training.vision.slots)."""
     return input_ids == int(vl_core(model).config.image_token_id)
 
 

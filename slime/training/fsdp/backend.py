@@ -52,6 +52,7 @@ from slime.training.fsdp import determinism, vision
 from slime.training.fsdp.packed_attention import PACKED_SDPA, segment_kwargs
 from slime.training import lora, lr_schedule
 from slime.training.lr_schedule import LRSchedule
+from slime.training.vision import IMAGE_MASK, has_images, padded_inputs
 from slime.training.freeze import freeze_parameters
 from slime.training.moe import TrainRouting
 from slime.utils.checkpoint_data import dcp_load
@@ -260,7 +261,7 @@ class FSDPBackend(StepTail):
                     return out.new_zeros(0, dtype=torch.float32) + 0.0 * out.sum()
                 return out[0, score, 0].float()
             ids, attn, prompt_lens = self._pad(mb)
-            images = vision.padded_inputs(self.model, self.images, mb, ids, attn) if vision.has_images(mb) else {}
+            images = padded_inputs(self.model, self.images, mb.images, ids, attn) if has_images(mb.images) else {}
             out = self._head_inputs(self.model, input_ids=ids, attention_mask=attn, use_cache=False, **images)[0][..., 0]
             values = torch.cat([out[i, p - 1 : p - 1 + r] for i, (p, r) in
                                 enumerate(zip(prompt_lens, mb.response_lengths))])
@@ -300,7 +301,7 @@ class FSDPBackend(StepTail):
             offset += n
         inputs = {"input_ids": ids[None].to(self.device), "position_ids": pos[None].to(self.device),
                   "use_cache": False, **self._segment_kwargs(lens)}
-        if vision.has_images(mb):
+        if has_images(mb.images):
             inputs.update(vision.packed_inputs(self.model, self.images, mb, inputs["input_ids"], lens))
         return inputs, torch.cat(score).to(self.device)
 
@@ -364,7 +365,7 @@ class FSDPBackend(StepTail):
     def _head_inputs(self, model, **inputs) -> tuple[Tensor, Tensor | None]:
         """The model's forward: (logits, None), or with the chunked output layer (hidden states of
         the same positions, the output layer's weight), so no full [tokens, vocab] tensor exists."""
-        images = vision.images_only(model, inputs.pop(vision.IMAGE_MASK, None))
+        images = vision.images_only(model, inputs.pop(IMAGE_MASK, None))
         if not self.hidden_head:
             with images:
                 return model(**inputs).logits, None
@@ -419,8 +420,8 @@ class FSDPBackend(StepTail):
         # logits are needed from the first position that scores a response token on
         start = min(p - 1 for p in prompt_lens) if self._supports_logits_to_keep else 0
         kwargs = {"logits_to_keep": t - start} if self._supports_logits_to_keep else {}
-        if vision.has_images(mb):
-            kwargs.update(vision.padded_inputs(model, self.images, mb, ids, attn))
+        if has_images(mb.images):
+            kwargs.update(padded_inputs(model, self.images, mb.images, ids, attn))
         x, weight = self._head_inputs(model, input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
 
         lps, ents = [], []

@@ -1,20 +1,16 @@
-"""Images in the FSDP trainer (Qwen2-VL / Qwen2.5-VL): a micro-batch's pixel inputs and 3-D positions.
+"""Images in the FSDP trainer (Qwen2-VL / Qwen2.5-VL): what only the Hugging Face model needs.
 
-A micro-batch carries each sample's image sources (`MicroBatch.images`, what the data and the
-engine saw); here they are decoded by the model's image processor (slime.utils.vision) into
-`pixel_values` / `image_grid_thw` (the samples' images concatenated in sample order, as the
-model's forward scatters them into the image tokens in order) and the model's 3-D rope position
-ids from its own `get_rope_index`, per sample:
+The pixel inputs, image slots and padded rows' 3-D positions are the trainers' shared ones
+(slime.training.vision). Here:
 
 - packed row (the default): each sample's positions [3, n_i] concatenated into [3, 1, N]; the
   samples attend one at a time (packed_attention), the vision tower sees every image alone;
-- padded rows: `get_rope_index` of the [B, T] batch with its attention mask.
+- the model's forward puts image features into the image slots only (`images_only`): an
+  `<|image_pad|>` the policy generated is an ordinary token with a text position, as it was in
+  the engine;
+- the PPO critic of a VL model (`load_critic`).
 
-A sample's image tokens that hold image features are its first ones, as many as its images take
-(`slots`): the prompt's and those of images an environment appended in a later turn (that turn's
-engine call took them as part of its prompt). An `<|image_pad|>` the policy generated after them is
-an ordinary token with a text position, as it was in the engine (`images_only`). The vision tower
-runs inside the model's forward, so its weights train (or stay frozen with
+The vision tower runs inside the model's forward, so its weights train (or stay frozen with
 `--freeze-params-name-list`) like any others and reach the engines under their HF names.
 """
 
@@ -24,9 +20,8 @@ import contextlib
 
 import torch
 
-from slime.utils.vision import VisionProcessor, image_token_mask, load_lm, rope_index, vl_core
-
-IMAGE_MASK = "slime_image_mask"  # the key of the image-slot mask among a forward's inputs
+from slime.training.vision import IMAGE_MASK, image_grids, pixel_inputs, slots
+from slime.utils.vision import VisionProcessor, load_lm, rope_index, vl_core
 
 
 def load_critic(path: str, **kwargs) -> torch.nn.Module:
@@ -48,39 +43,11 @@ def load_critic(path: str, **kwargs) -> torch.nn.Module:
     return model
 
 
-def has_images(mb) -> bool:
-    return bool(getattr(mb, "images", None)) and any(mb.images)
-
-
-def _pixels(processor: VisionProcessor, mb, device) -> dict:
-    sources = [s for imgs in mb.images for s in (imgs or [])]
-    pix = processor.pixel_inputs(sources)
-    return {"pixel_values": pix["pixel_values"].to(device), "image_grid_thw": pix["image_grid_thw"].to(device)}
-
-
-def _grids(mb, grid: torch.Tensor) -> list[torch.Tensor | None]:
-    """Each sample's rows of the micro-batch's image_grid_thw."""
-    out, k = [], 0
-    for imgs in mb.images:
-        n = len(imgs or [])
-        out.append(grid[k:k + n] if n else None)
-        k += n
-    return out
-
-
-def slots(model, processor: VisionProcessor, ids: torch.Tensor, grids: list[torch.Tensor | None]) -> torch.Tensor:
-    """[B, L] bool: the image tokens of rows ids [B, L] that hold image features, each row's first
-    ones, as many as its images (`grids`, one per row) take."""
-    mask = image_token_mask(model, ids)
-    n = [sum(processor.tokens_per_image(g)) if g is not None else 0 for g in grids]
-    return mask & (mask.cumsum(-1) <= torch.as_tensor(n, device=ids.device)[:, None])
-
-
 def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens: list[int]) -> dict:
     """The image inputs of one packed row ids [1, N]: pixel inputs, position ids [3, 1, N], image mask."""
-    pix = _pixels(processor, mb, ids.device)
+    pix = pixel_inputs(processor, mb.images, ids.device)
     pos, masks, start = [], [], 0
-    for n, grid in zip(lens, _grids(mb, pix["image_grid_thw"])):
+    for n, grid in zip(lens, image_grids(mb.images, pix["image_grid_thw"])):
         row = ids[:, start:start + n]
         mask = slots(model, processor, row, [grid])
         if grid is None:
@@ -90,14 +57,6 @@ def packed_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, lens
         masks.append(mask)
         start += n
     return {**pix, "position_ids": torch.cat(pos, -1), IMAGE_MASK: torch.cat(masks, -1)}
-
-
-def padded_inputs(model, processor: VisionProcessor, mb, ids: torch.Tensor, attn: torch.Tensor) -> dict:
-    """The image inputs of padded rows ids [B, T] (right padded, `attn` their mask)."""
-    pix = _pixels(processor, mb, ids.device)
-    mask = slots(model, processor, ids, _grids(mb, pix["image_grid_thw"]))
-    pos, _ = rope_index(model, ids, pix["image_grid_thw"], attention_mask=attn, image_mask=mask)
-    return {**pix, "position_ids": pos, IMAGE_MASK: mask}
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from slime.training.backend import LossFn, MicroBatch, StepTail
 from slime.training import lr_schedule
 from slime.training.lr_schedule import LRSchedule
-from slime.training.megatron import critic, grads, moe, shims
+from slime.training.megatron import critic, grads, moe, shims, vision
 from slime.training.megatron.dist_checkpoint import load_train_state, save_train_state
 from slime.training.megatron.head import OutputHead, output_weight
 from slime.training.megatron.model import PipelineLayout, build_model
@@ -70,8 +70,10 @@ from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import hf_checkpoint_names, write_hf_dir
 from slime.training.freeze import freeze_parameters
+from slime.training.vision import megatron_refusal
 from slime.training.moe import TrainRouting
 from slime.utils.net import node_address
+from slime.utils.vision import VisionProcessor, is_vision_config
 
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,15 @@ class MegatronBackend(StepTail):
         if dist.get_world_size() != world_size:
             raise RuntimeError(f"process group has {dist.get_world_size()} ranks, expected {world_size}")
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        # a vision-language model: its language model as a GPTModel with multimodal rope (hf_config: that
+        # Qwen2 LM) and the checkpoint's HF vision tower on each chunk (vision.py)
+        self.vl_config, self.mrope_section = None, None
+        if is_vision_config(self.hf_config):
+            why = megatron_refusal(self.pp, value_head, with_teacher)
+            if why:
+                raise SlimeConfigError(why)
+            self.vl_config = self.hf_config
+            self.hf_config, self.mrope_section = vision.lm_config(self.vl_config)
         self.layout = PipelineLayout.from_args(args, self.hf_config.num_hidden_layers)
         self.layout.check(self.hf_config.num_hidden_layers)
         # mixture of experts: megatron's MoE layers, --expert-model-parallel-size (moe.py)
@@ -161,10 +172,13 @@ class MegatronBackend(StepTail):
         if value_head:  # the FSDP critic's weights: HF's token-classification model (its config included)
             critic.check_critic(self.hf_config)
             self.hf_config, hf_state = critic.hf_state(args.hf_checkpoint)
+            hf_state = (hf_state, None)
         else:
             hf_state = self._hf_state(args.hf_checkpoint)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.model = self._build(hf_state, recompute=True, value_head=value_head, load_dtype=torch.float32)
+        # a VL model's images -> pixel inputs (slime.training.vision)
+        self.images = VisionProcessor(args.hf_checkpoint, config=self.vl_config) if self.vl_config else None
         if args.freeze_params_name_list and not value_head:  # megatron-core's parameter names; these never train
             freeze_parameters(self.model, args.freeze_params_name_list)
         # --bf16: bf16 parameters compute, fp32 main copies train (precision.py)
@@ -223,16 +237,20 @@ class MegatronBackend(StepTail):
                                    "the teacher into the student's architecture (use --train-backend fsdp for a "
                                    "teacher of another shape)")
 
-    def _hf_state(self, path: str) -> dict[str, Tensor]:
+    def _hf_state(self, path: str) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+        """(the checkpoint's causal-LM state, a VL model's vision tower state or None), fp32."""
+        if self.vl_config is not None:
+            return vision.hf_state(path)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return {k: v.detach() for k, v in hf.state_dict().items()}
+        return {k: v.detach() for k, v in hf.state_dict().items()}, None
 
     def _build(self, hf_state, recompute: bool, value_head: bool = False, load_dtype: torch.dtype | None = None):
         """This rank's model chunk(s) with the checkpoint's weights (a ModuleList of the chunks with
-        virtual pipeline stages); `recompute`: with --recompute-* (the trained model); `value_head`:
-        the critic (critic.py), from a token-classification state dict; computing in `self.dtype`,
-        with parameters of `load_dtype` (default `self.dtype`)."""
+        virtual pipeline stages); `hf_state`: `_hf_state`'s pair; `recompute`: with --recompute-* (the
+        trained model); `value_head`: the critic (critic.py), from a token-classification state dict;
+        computing in `self.dtype`, with parameters of `load_dtype` (default `self.dtype`)."""
         args = self.args
+        hf_state, tower_state = hf_state
         chunks = []
         config = critic.build_config(self.hf_config) if value_head else self.hf_config
         for vp_stage in range(self.layout.vp):
@@ -242,12 +260,14 @@ class MegatronBackend(StepTail):
                                     recompute=(args.recompute_granularity, args.recompute_method,
                                                args.recompute_num_layers) if recompute else (None, None, None),
                                     layout=self.layout, vp_stage=vp_stage, ep=self.ep, etp=self.etp, dtype=self.dtype,
-                                    load_dtype=load_dtype)
+                                    load_dtype=load_dtype, mrope_section=self.mrope_section)
             if value_head:
                 critic.attach_value_head(model, self.hf_config, args.sequence_parallel, bias="score.bias" in hf_state)
                 critic.load_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
             else:
                 load_hf_into(model, hf_state, self.hf_config, self.tp, self.tp_rank)
+            if tower_state is not None:
+                vision.attach(model, self.vl_config, tower_state, args.sequence_parallel)
             chunks.append(model.to(self.device))
         return chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
@@ -269,19 +289,34 @@ class MegatronBackend(StepTail):
         all_lengths = [r for p in parts for r in p[1]]
         return all_tokens, all_lengths, start, start + len(tokens)
 
-    def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool):
-        """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i]."""
+    def _gather_images(self, mb) -> list | None:
+        """A VL model's image sources of the TP group's samples, in `_gather_tp`'s order (None for a
+        text-only model). Collective over the TP group."""
+        if self.vl_config is None:
+            return None
+        images = list(mb.images) if mb.images is not None else [None] * len(mb.tokens)
+        if self.tp == 1:
+            return images
+        parts: list = [None] * self.tp
+        dist.all_gather_object(parts, images, group=self.tp_group)
+        return [i for p in parts for i in p]
+
+    def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool, images=None):
+        """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i];
+        `images`: a VL model's image sources per sample."""
         if not tokens:
             if self.ep > 1:  # the other EP ranks' token dispatch needs this rank
                 moe.idle_forward(model, self.device, backward=False, seq_len=self.seq_multiple)
             return [], []
         ids, pos, mask, prompt_lens = batch_inputs(tokens, lengths, self.device, seq_multiple=self.seq_multiple)
+        inputs = vision.image_forward(model, self.images, images, ids, [len(t) for t in tokens]) \
+            if self.vl_config is not None else contextlib.nullcontext(pos)
         if self.head is not None:
-            with shims.cpu_only_cuda_shims(), self.head.hidden_states(model):
+            with shims.cpu_only_cuda_shims(), self.head.hidden_states(model), inputs as pos:
                 hidden = model(ids, pos, attention_mask=mask)  # [b, t, H]
             return self.head.scores(hidden, output_weight(model), ids, prompt_lens, lengths,
                                     with_entropy=with_entropy, entropy_grad=entropy_grad)
-        with shims.cpu_only_cuda_shims():
+        with shims.cpu_only_cuda_shims(), inputs as pos:
             logits = model(ids, pos, attention_mask=mask)  # [b, t, V_padded]
         return response_scores(logits[..., : self.vocab_size], ids, prompt_lens, lengths, self.temperature,
                                with_entropy=with_entropy, entropy_grad=entropy_grad)
@@ -301,6 +336,7 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
+        images = self._gather_images(mb)
         if self.tp > 1 and model is self.model and self._moe_routing() and tokens:  # MoE under TP + SP
             with torch.set_grad_enabled(grad and not ref):
                 lps, ents, _ = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=with_entropy,
@@ -308,7 +344,7 @@ class MegatronBackend(StepTail):
         else:
             with torch.set_grad_enabled(grad and not ref), moe.policy_routing(self, model, mb):
                 lps, ents = self._forward(model, tokens, lengths, with_entropy=with_entropy,
-                                          entropy_grad=entropy_grad and grad)
+                                          entropy_grad=entropy_grad and grad, images=images)
         lp = torch.cat(lps[s:e]) if e > s else torch.zeros(0, device=self.device)
         ent = (torch.cat(ents[s:e]) if e > s else torch.zeros(0, device=self.device)) if with_entropy else None
         return lp, ent
@@ -413,6 +449,7 @@ class MegatronBackend(StepTail):
         every gradient is divided by the world size, and the group's micro-batch holds its tp ranks'
         samples), each TP rank's term over its part of the sequence."""
         tokens, lengths, s, e = self._gather_tp(mb)
+        images = self._gather_images(mb)
         if not tokens:  # no sample in the TP group; the other EP ranks' token dispatch needs this rank
             if self.ep > 1:
                 moe.idle_forward(self.model, self.device, backward=True, seq_len=self.seq_multiple)
@@ -425,7 +462,8 @@ class MegatronBackend(StepTail):
             lps, ents, aux = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=True,
                                                      entropy_grad=entropy_grad, count=True, aux_scale=scale)
         else:
-            lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad)
+            lps, ents = self._forward(self.model, tokens, lengths, with_entropy=True, entropy_grad=entropy_grad,
+                                      images=images)
         if not lps:
             return
         lp_all, ent_all = torch.cat(lps), torch.cat(ents) if ents is not None else None
@@ -538,6 +576,8 @@ class MegatronBackend(StepTail):
     def _hf_full(self) -> dict[str, Tensor]:
         if self.value_head:  # HF token-classification names (score.weight), like FSDP's critic
             return critic.export(self._mcore_full(), self.hf_config)
+        if self.vl_config is not None:  # the VL checkpoint's names, the vision tower's included
+            return vision.to_hf(self._mcore_full(), lambda state: to_hf(state, self.hf_config))
         return to_hf(self._mcore_full(), self.hf_config)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -555,7 +595,7 @@ class MegatronBackend(StepTail):
     def _full_state(self, optimizer: bool) -> tuple[dict, dict | None]:
         sd = {k: v.detach().cpu().clone() for k, v in self._hf_full().items()}
         if getattr(self.hf_config, "tie_word_embeddings", False) and not self.value_head:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+            sd["lm_head.weight"] = sd[(vision.LM_PREFIX if self.vl_config else "model.") + "embed_tokens.weight"]
         osd = full_optimizer_state(self.chunks, self.optimizer, self._gather, self._join_ranks) if optimizer else None
         if self.rank != 0:
             return {}, ({} if optimizer else None)
@@ -589,7 +629,7 @@ class MegatronBackend(StepTail):
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         if moe.is_moe(self.hf_config):  # the checkpoint's per-expert names, as save_pretrained writes them
             tensors = hf_checkpoint_names(self.hf_config, tensors)
-        write_hf_dir(out, self.args.hf_checkpoint, self.hf_config, tensors)
+        write_hf_dir(out, self.args.hf_checkpoint, self.vl_config or self.hf_config, tensors)
 
     def close(self) -> None:
         if self._owns_mp and ps.model_parallel_is_initialized():

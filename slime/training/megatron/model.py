@@ -50,7 +50,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
                 vocab_divisible_by: int = 128,
                 recompute: tuple[str | None, str | None, int | None] = (None, None, None),
                 layout: PipelineLayout = PipelineLayout(), vp_stage: int | None = None, ep: int = 1,
-                etp: int = 1, load_dtype: torch.dtype | None = None):
+                etp: int = 1, load_dtype: torch.dtype | None = None, mrope_section: list[int] | None = None):
     """A GPTModel for one tensor-parallel rank and one pipeline model chunk (`vp_stage` of this
     rank's pipeline stage; the whole model with PP 1). Embedding on the first stage, output
     layer on the last (megatron's parallel_state must be initialized with the same layout).
@@ -64,6 +64,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
     `dtype`: what the model computes in (megatron's config: bf16 attention softmax in fp32, bf16
     activations between stages); `load_dtype`: the parameters' dtype on return, where the
     checkpoint is loaded (default `dtype`; --bf16 loads fp32 for the main copies, precision.py).
+    `mrope_section`: a vision-language model's multimodal rope (position ids [3, b, s]; vision.py).
     """
     is_moe = moe.is_moe(config)
     check_parallel_config(moe.dense_twin(config) if is_moe else config, tp)
@@ -75,7 +76,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
                                 sequence_parallel=sequence_parallel, recompute_granularity=granularity,
                                 recompute_method=method if granularity == "full" else None,
                                 recompute_num_layers=num_layers if granularity == "full" else None,
-                                **layout.config_fields(dtype))
+                                mrope_section=mrope_section, **layout.config_fields(dtype))
     spec = get_gpt_layer_local_spec(normalization="RMSNorm",
                                     qk_layernorm=mc.has_qk_norm(moe.dense_twin(config) if is_moe else config),
                                     num_experts=moe.num_experts(config) if is_moe else None, moe_grouped_gemm=False)
@@ -91,7 +92,7 @@ def build_model(config, *, tp: int = 1, sequence_parallel: bool = False, dtype=t
         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
         parallel_output=False,
         share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", False)),
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if mrope_section else "rope",
         rotary_base=theta,
         vp_stage=vp,
     )

@@ -5,13 +5,8 @@ the engine; the PPO critic sees the images; bad image requests are refused with 
 
 from __future__ import annotations
 
-import base64
-import io
-import threading
-
 import pytest
 import torch
-from PIL import Image
 
 from slime.engines.native.engine import NativeEngine
 from slime.engines.protocol import GenerateInput, ProtocolError, SamplingParams, parse_generate_request
@@ -21,23 +16,12 @@ from slime.utils.net import LOOPBACK, free_port
 from tests.helpers.args import make_args
 from tests.helpers.http import post_json
 from tests.helpers.native_server import native_server
-
-TEMPERATURE = 0.8
-
-
-def _png(color, size) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, format="PNG")
-    return buf.getvalue()
+from tests.helpers.vision import TEMPERATURE, prompt_ids, prompt_text, rollout, write_images
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    d = tmp_path_factory.mktemp("images")
-    (d / "red.png").write_bytes(_png((255, 0, 0), (60, 50)))
-    (d / "blue.png").write_bytes(_png((0, 0, 255), (90, 40)))
-    green = "data:image/png;base64," + base64.b64encode(_png((0, 255, 0), (56, 56))).decode()
-    return {"red": str(d / "red.png"), "blue": "file://" + str(d / "blue.png"), "green": green}
+    return write_images(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture(scope="module")
@@ -47,56 +31,15 @@ def engine(tiny_vl_model_dir):
     e.shutdown()
 
 
-def _text(engine, n_images: int, words: str = "what is the answer") -> str:
-    content = [{"type": "image"}] * n_images + [{"type": "text", "text": words}]
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                add_generation_prompt=True)
-
-
-def _ids(engine, n_images: int, sources=None) -> list[int]:
-    text = _text(engine, n_images)
-    if sources:
-        return engine.vision.encode(text, sources)[0]
-    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _generate_all(engine, requests):
-    """Submit every (ids, images, seed) at once (image and text rows share the decode batch)."""
-    results, done = [None] * len(requests), threading.Semaphore(0)
-    for k, (ids, imgs, seed) in enumerate(requests):
-        sp = SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=seed, ignore_eos=True)
-
-        def cb(res, err, k=k):
-            results[k] = err or res
-            done.release()
-        engine.submit(GenerateInput(rid=f"r{k}", sampling_params=sp, input_ids=ids, image_data=imgs), cb)
-    for _ in requests:
-        assert done.acquire(timeout=120)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
-
-
 def _backend(model_dir, tmp_path, *flags):
     tmp_path.mkdir(parents=True, exist_ok=True)
     args = make_args(model_dir, tmp_path, "--rollout-temperature", TEMPERATURE, *flags)
     return FSDPBackend(args, 0, 1, LOOPBACK, free_port())
 
 
-def _rollout(engine, images):
-    one, two = [images["red"]], [images["blue"], images["green"]]
-    requests = [(_ids(engine, 1, one), one, 1), (_ids(engine, 1, one), one, 2), (_ids(engine, 2, two), two, 3),
-                (_ids(engine, 0), None, 4), (_ids(engine, 2, two), two, 5)]
-    results = _generate_all(engine, requests)
-    mb = MicroBatch([ids + r.output_ids for (ids, _, _), r in zip(requests, results)],
-                    [len(r.output_ids) for r in results], images=[imgs for _, imgs, _ in requests])
-    return mb, torch.tensor([lp for r in results for lp in r.output_token_logprobs])
-
-
 @pytest.mark.parametrize("flags", [[], ["--disable-sequence-packing"]], ids=["packed", "padded"])
 def test_engine_and_trainer_log_probs_agree_on_image_prompts(engine, images, tiny_vl_model_dir, tmp_path, flags):
-    mb, engine_lp = _rollout(engine, images)
+    mb, engine_lp = rollout(engine, images)
     be = _backend(tiny_vl_model_dir, tmp_path, *flags)
     try:
         assert be.pack == (not flags)
@@ -115,13 +58,13 @@ def test_vision_tower_trains_is_pushed_to_the_engine_and_can_be_frozen(tiny_vl_m
     engine = NativeEngine(tiny_vl_model_dir, num_threads=1).start()
     be = _backend(tiny_vl_model_dir, tmp_path / "a", "--lr", 1e-2)
     try:
-        mb, _ = _rollout(engine, images)
+        mb, _ = rollout(engine, images)
         before = {n: p.detach().clone() for n, p in be.model.named_parameters() if ".visual." in f".{n}"}
         be.train_step([mb], lambda k, lp, ent: -lp.mean())
         after = dict(be.model.named_parameters())
         assert all(not torch.equal(before[n], after[n]) for n in before if n.endswith("patch_embed.proj.weight"))
         engine.update_weights(dict(be.named_weights()), weight_version="1")
-        mb, engine_lp = _rollout(engine, images)
+        mb, engine_lp = rollout(engine, images)
         train_lp, _ = be.forward_logprobs(mb)
         assert (train_lp - engine_lp).abs().max().item() < 1e-5
     finally:
@@ -140,7 +83,7 @@ def test_ppo_critic_values_see_the_images_and_train(engine, images, tiny_vl_mode
     """The PPO critic of a VL model (its LM head replaced by a 1-output value head): values of image
     prompts, packed and padded alike, depend on the pixels; a few regression steps toward fixed
     returns lower the value loss and train the vision tower too."""
-    mb, _ = _rollout(engine, images)
+    mb, _ = rollout(engine, images)
     tmp_path.mkdir(parents=True, exist_ok=True)
     args = make_args(tiny_vl_model_dir, tmp_path, "--advantage-estimator", "ppo", "--critic-lr", 1e-4)
     critic = FSDPBackend(args, 0, 1, LOOPBACK, free_port(), value_head=True)
@@ -171,7 +114,7 @@ def test_ppo_critic_values_see_the_images_and_train(engine, images, tiny_vl_mode
 
 
 def test_bad_image_requests_name_the_field(engine, images, tiny_model_dir, tmp_path):
-    ids = _ids(engine, 1, [images["red"]])
+    ids = prompt_ids(engine, 1, [images["red"]])
     sp = SamplingParams(max_new_tokens=2)
     cases = [
         (GenerateInput(rid="a", sampling_params=sp, input_ids=ids, image_data=[str(tmp_path / "nope.png")]),
@@ -200,12 +143,12 @@ def test_bad_image_requests_name_the_field(engine, images, tiny_model_dir, tmp_p
 
 
 def test_http_generate_and_chat_take_images(engine, images, tiny_vl_model_dir, tmp_path):
-    ids = _ids(engine, 1, [images["green"]])
+    ids = prompt_ids(engine, 1, [images["green"]])
     want = engine.generate(ids, {"max_new_tokens": 5, "temperature": 0}, image_data=[images["green"]])
     with native_server(tiny_vl_model_dir, tmp_path / "server.log") as (url, _):
         sp = {"max_new_tokens": 5, "temperature": 0}
         by_ids = post_json(url, "/generate", {"input_ids": ids, "image_data": images["green"], "sampling_params": sp})
-        by_text = post_json(url, "/generate", {"text": _text(engine, 1), "image_data": [images["green"]],
+        by_text = post_json(url, "/generate", {"text": prompt_text(engine, 1), "image_data": [images["green"]],
                                                "sampling_params": sp})
         assert by_ids["output_ids"] == by_text["output_ids"] == want.output_ids
         assert by_text["meta_info"]["prompt_tokens"] == len(ids)
