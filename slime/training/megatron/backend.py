@@ -289,18 +289,6 @@ class MegatronBackend(StepTail):
         all_lengths = [r for p in parts for r in p[1]]
         return all_tokens, all_lengths, start, start + len(tokens)
 
-    def _gather_images(self, mb) -> list | None:
-        """A VL model's image sources of the TP group's samples, in `_gather_tp`'s order (None for a
-        text-only model). Collective over the TP group."""
-        if self.vl_config is None:
-            return None
-        images = list(mb.images) if mb.images is not None else [None] * len(mb.tokens)
-        if self.tp == 1:
-            return images
-        parts: list = [None] * self.tp
-        dist.all_gather_object(parts, images, group=self.tp_group)
-        return [i for p in parts for i in p]
-
     def _forward(self, model, tokens, lengths, *, with_entropy: bool, entropy_grad: bool, images=None):
         """Per-sample log-probs (and entropy) of the response tokens (one pipeline stage): lists of Tensor[r_i];
         `images`: a VL model's image sources per sample."""
@@ -336,7 +324,7 @@ class MegatronBackend(StepTail):
         if self.pp > 1:
             return self._pipeline_logprobs(model, mb, with_entropy)
         tokens, lengths, s, e = self._gather_tp(mb)
-        images = self._gather_images(mb)
+        images = vision.group_images(mb, self.tp_group) if self.vl_config else None
         if self.tp > 1 and model is self.model and self._moe_routing() and tokens:  # MoE under TP + SP
             with torch.set_grad_enabled(grad and not ref):
                 lps, ents, _ = moe.routed_tp_forward(self, mb, tokens, lengths, s, e, with_entropy=with_entropy,
@@ -449,7 +437,7 @@ class MegatronBackend(StepTail):
         every gradient is divided by the world size, and the group's micro-batch holds its tp ranks'
         samples), each TP rank's term over its part of the sequence."""
         tokens, lengths, s, e = self._gather_tp(mb)
-        images = self._gather_images(mb)
+        images = vision.group_images(mb, self.tp_group) if self.vl_config else None
         if not tokens:  # no sample in the TP group; the other EP ranks' token dispatch needs this rank
             if self.ep > 1:
                 moe.idle_forward(self.model, self.device, backward=True, seq_len=self.seq_multiple)

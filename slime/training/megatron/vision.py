@@ -29,6 +29,7 @@ import contextlib
 import sys
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedModel, Qwen2Config
@@ -136,6 +137,18 @@ def _place_features(model, out: Tensor) -> Tensor:
         n, rank = out.shape[0], ps.get_tensor_model_parallel_rank()
         placed, mask = placed[rank * n: (rank + 1) * n], mask[rank * n: (rank + 1) * n]
     return torch.where(mask.unsqueeze(-1), placed.to(out.dtype), out)
+
+
+def group_images(mb, tp_group) -> list:
+    """The image sources of the TP group's samples, in the order of the group's gathered micro-batch
+    (the backend's `_gather_tp`: TP rank by rank). Collective over the TP group."""
+    images = list(mb.images) if mb.images is not None else [None] * len(mb.tokens)
+    tp = dist.get_world_size(tp_group)
+    if tp == 1:
+        return images
+    parts: list = [None] * tp
+    dist.all_gather_object(parts, images, group=tp_group)
+    return [i for p in parts for i in p]
 
 
 @contextlib.contextmanager
