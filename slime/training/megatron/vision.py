@@ -109,7 +109,7 @@ def hf_state(path: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
 def attach(model, config: PretrainedConfig, tower_state: dict[str, Tensor], sequence_parallel: bool) -> None:
     """Give a GPTModel chunk the checkpoint's vision tower (`model.vision`, in the chunk's dtype) and
     the hook that puts image features into its embedding output."""
-    tower = VisionTower(config)
+    tower = VisionTower(config).to(torch.float32)  # built in the config's dtype (bf16 for most checkpoints)
     missing, unexpected = tower.visual.load_state_dict(tower_state, strict=False)
     if missing or unexpected:
         raise SlimeConfigError(f"vision tower weights do not match {type(tower.visual).__name__} "
