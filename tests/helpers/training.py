@@ -93,6 +93,23 @@ def grads_after_train(args, batch):
     return captured, deterministic(metrics)
 
 
+def group_train(args, batch, rollouts: int = 1, optimizer: bool = False):
+    """A fresh TrainGroup of `args` trained `rollouts` times on `batch` (split over its ranks): (the
+    metrics of each train call, its `full_state(optimizer)`); the group is shut down after."""
+    import ray
+
+    from slime.ray.actor_group import TrainGroup
+
+    group = TrainGroup(args)
+    try:
+        group.init()
+        refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
+        metrics = [group.train(i, refs) for i in range(rollouts)]
+        return metrics, group.full_state(optimizer=optimizer)
+    finally:
+        group.shutdown()
+
+
 def deterministic(metrics: dict) -> dict:
     """The metrics a fixed-seed step must reproduce exactly: all but timings and memory (`perf/*`,
     `memory/*`)."""

@@ -18,6 +18,7 @@ from tests.helpers.training import (  # noqa: E402
     assert_states_close,
     deterministic,
     grads_after_train,
+    group_train,
     initial_state,
     local_actor,
     make_args,
@@ -230,10 +231,6 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
     replicated but see only their rank's heads: their gradients must be summed over the TP group.
     Two samples hold the pad token (its embedding row gets no gradient from them, as in HF): under
     sequence parallelism each TP rank's embedding output is its part of the sequence."""
-    import ray
-
-    from slime.ray.actor_group import TrainGroup
-
     gqa_model_dir = _gqa_model(tiny_model_dir, tmp_path / kind, kind)
     batch = synthetic_batch(gqa_model_dir, 8, seed=14, pad_tokens=True)
     # ranks, TP, micro-batch size, flags; the untied (vocabulary-parallel) output layer and SP take their
@@ -249,14 +246,8 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
         args = make_args(gqa_model_dir, tmp_path, *COMMON, "--train-backend", "megatron",
                          "--actor-num-gpus-per-node", ranks, "--tensor-model-parallel-size", tp,
                          "--micro-batch-size", mbs, *flags)
-        group = TrainGroup(args)
-        try:
-            group.init()
-            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-            metrics = group.train(0, refs)
-            results[name] = (metrics, group.full_state(optimizer=False)[0])
-        finally:
-            group.shutdown()
+        [metrics], (state, _) = group_train(args, batch)
+        results[name] = (metrics, state)
     m1, s1 = results["one"]
     assert set(s1) == set(hf_model(gqa_model_dir).state_dict())  # HF names, biases and untied head included
     if kind == "qwen2_untied":
@@ -306,22 +297,11 @@ def _four_layer_model(tiny_model_dir, out, tied: bool):
 
 
 def _train_layouts(model_dir, tmp_path, layouts, batch, extra=()):
-    import ray
-
-    from slime.ray.actor_group import TrainGroup
-
     results = {}
     for name, (ranks, flags, mbs) in layouts.items():
         args = make_args(model_dir, tmp_path, *COMMON, "--train-backend", "megatron", "--actor-num-gpus-per-node",
                          ranks, "--micro-batch-size", mbs, *flags, *extra)
-        group = TrainGroup(args)
-        try:
-            group.init()
-            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-            metrics = [group.train(0, refs), group.train(1, refs)]
-            results[name] = (metrics, group.full_state(optimizer=True))
-        finally:
-            group.shutdown()
+        results[name] = group_train(args, batch, rollouts=2, optimizer=True)
     return results
 
 

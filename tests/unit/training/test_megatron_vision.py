@@ -21,7 +21,7 @@ from slime.types import RolloutBatch  # noqa: E402
 from slime.utils.errors import SlimeConfigError  # noqa: E402
 from slime.utils.net import LOOPBACK, free_port  # noqa: E402
 from tests.helpers.args import make_args  # noqa: E402
-from tests.helpers.training import COMMON, assert_states_close, deterministic  # noqa: E402
+from tests.helpers.training import COMMON, assert_states_close, deterministic, group_train  # noqa: E402
 from tests.helpers.vision import TEMPERATURE, generate_all, prompt_ids, rollout, write_images  # noqa: E402
 
 MEGATRON = ("--train-backend", "megatron")
@@ -173,10 +173,6 @@ def test_tensor_and_sequence_parallel_match_one_rank(tiny_vl_model_dir, images, 
     """TP 2 and TP 2 + SP against one rank on image samples: the same metrics and weights after two
     AdamW steps (the vision tower replicated on both TP ranks; under SP each rank's half of the
     sequence gives half its gradient, summed over the TP group)."""
-    import ray
-
-    from slime.ray.actor_group import TrainGroup
-
     model_dir = _gqa_vl_model(tiny_vl_model_dir, tmp_path / "gqa")
     engine = NativeEngine(model_dir, num_threads=1).start()
     try:  # long text, then the images: their tokens lie in the padded rows' second half, SP rank 1's part
@@ -203,14 +199,8 @@ def test_tensor_and_sequence_parallel_match_one_rank(tiny_vl_model_dir, images, 
         args = make_args(model_dir, tmp_path, "--rollout-temperature", TEMPERATURE, *COMMON, *MEGATRON,
                          "--actor-num-gpus-per-node", ranks, "--tensor-model-parallel-size", tp,
                          "--micro-batch-size", mbs_, *flags)
-        group = TrainGroup(args)
-        try:
-            group.init()
-            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-            metrics = group.train(0, refs)
-            results[name] = (metrics, group.full_state(optimizer=False)[0])
-        finally:
-            group.shutdown()
+        [metrics], (state, _) = group_train(args, batch)
+        results[name] = (metrics, state)
     m1, s1 = results["one"]
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-5  # the engine's log-probs, images and all
     assert any(k.startswith("model.visual.") for k in s1)
