@@ -65,7 +65,7 @@ def _multimodal_keys(args, value, moe):
         return f"must map \"image\" to the dataset column of the images, e.g. '{{\"image\": \"images\"}}', " \
                f"got {value!r}"
     if args.train_backend == "megatron":
-        from slime.training.vision import megatron_refusal
+        from slime.utils.vision import megatron_refusal  # deferred: slime.utils.vision imports torch and PIL
 
         why = megatron_refusal(args.pipeline_model_parallel_size, args.advantage_estimator == "ppo",
                                bool(getattr(args, "opd_teacher_load", None)))

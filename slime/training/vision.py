@@ -59,16 +59,3 @@ def padded_inputs(model, processor: VisionProcessor, images: list, ids: torch.Te
     pos, _ = rope_index(model, ids, pix["image_grid_thw"], attention_mask=attn, image_mask=mask)
     return {**pix, "position_ids": pos, IMAGE_MASK: mask}
 
-
-def megatron_refusal(pp: int, critic: bool, teacher: bool) -> str | None:
-    """What the megatron backend does not build for a vision-language model (slime.training.megatron.vision),
-    as the one line that refuses it, or None."""
-    if pp > 1:
-        return ("a vision-language model with --train-backend megatron needs --pipeline-model-parallel-size 1 "
-                "(images through pipeline stages are not built; use --train-backend fsdp)")
-    if critic:
-        return ("the megatron critic of a vision-language model is not built (--advantage-estimator ppo: use "
-                "--train-backend fsdp)")
-    if teacher:
-        return "--opd-teacher-load with a vision-language model is not built for --train-backend megatron (use fsdp)"
-    return None

@@ -229,3 +229,18 @@ def rope_index(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: 
         image_mask = input_ids == int(core.config.image_token_id)
     return core.get_rope_index(input_ids, image_mask.int(), image_grid_thw=image_grid_thw,
                                attention_mask=attention_mask)
+
+
+def megatron_refusal(pp: int, critic: bool, teacher: bool) -> str | None:
+    """What the megatron backend does not build for a vision-language model (slime.training.megatron.vision),
+    as the one line that refuses it, or None."""
+    if pp > 1:
+        return ("a vision-language model with --train-backend megatron needs --pipeline-model-parallel-size 1 "
+                "(images through pipeline stages are not built; use --train-backend fsdp)")
+    if critic:
+        return ("the megatron critic of a vision-language model is not built (--advantage-estimator ppo: use "
+                "--train-backend fsdp)")
+    if teacher:
+        return ("--opd-teacher-load with a vision-language model is not built for --train-backend megatron (use "
+                "--train-backend fsdp)")
+    return None

@@ -70,10 +70,9 @@ from slime.utils.dist import init_process_group
 from slime.utils.errors import SlimeConfigError
 from slime.utils.hf_export import hf_checkpoint_names, write_hf_dir
 from slime.training.freeze import freeze_parameters
-from slime.training.vision import megatron_refusal
 from slime.training.moe import TrainRouting
 from slime.utils.net import node_address
-from slime.utils.vision import VisionProcessor, is_vision_config
+from slime.utils.vision import VisionProcessor, is_vision_config, megatron_refusal
 
 
 logger = logging.getLogger(__name__)

@@ -125,7 +125,9 @@ def test_megatron_freezes_the_vision_tower_and_refuses_what_it_does_not_build(ti
     keys = ("--apply-chat-template", "--multimodal-keys", json.dumps({"image": "images"}), *MEGATRON)
     for flags, why in [(("--pipeline-model-parallel-size", 2, "--actor-num-gpus-per-node", 2),
                         "needs --pipeline-model-parallel-size 1"),
-                       (("--advantage-estimator", "ppo"), "megatron critic of a vision-language model")]:
+                       (("--advantage-estimator", "ppo"), "megatron critic of a vision-language model"),
+                       (("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", tiny_vl_model_dir),
+                        "--opd-teacher-load with a vision-language model")]:
         with pytest.raises(SlimeConfigError, match=why):
             make_args(tiny_vl_model_dir, tmp_path, *keys, *flags)
 
