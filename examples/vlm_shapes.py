@@ -15,8 +15,8 @@ docs/vlm.md has the figures):
         --hf-checkpoint /tmp/tiny_vl --prompt-data /tmp/vlm_task/train.jsonl --input-key prompt --label-key label \\
         --apply-chat-template --multimodal-keys '{"image": "images"}' --rm-type math --advantage-estimator grpo \\
         --rollout-batch-size 8 --n-samples-per-prompt 8 --global-batch-size 64 --micro-batch-size 64 \\
-        --num-rollout 64 --rollout-max-response-len 1 --rollout-temperature 1.0 --lr 1e-3 --seed 1 \\
-        --eval-prompt-data shapes /tmp/vlm_task/eval.jsonl --n-samples-per-eval-prompt 8 --eval-interval 64 \\
+        --num-rollout 56 --rollout-max-response-len 1 --rollout-temperature 1.0 --lr 1e-3 --seed 1 \\
+        --eval-prompt-data shapes /tmp/vlm_task/eval.jsonl --n-samples-per-eval-prompt 8 --eval-interval 56 \\
         --output-dir /tmp/vlm_out
 
 examples/vlm_multiturn.py is a custom generate function on this task in which the environment shows
