@@ -170,8 +170,8 @@ class MegatronBackend(StepTail):
 
         if value_head:  # the FSDP critic's weights: HF's token-classification model (its config included)
             critic.check_critic(self.hf_config)
-            self.hf_config, hf_state = critic.hf_state(args.hf_checkpoint)
-            hf_state = (hf_state, None)
+            self.hf_config, critic_state = critic.hf_state(args.hf_checkpoint)
+            hf_state = (critic_state, None)
         else:
             hf_state = self._hf_state(args.hf_checkpoint)
         self.dtype = torch.bfloat16 if args.bf16 else torch.float32

@@ -161,7 +161,7 @@ def image_forward(model, processor: VisionProcessor, images: list | None, ids: T
         yield torch.arange(t, device=ids.device).view(1, 1, t).expand(3, b, t)
         return
     attn = (torch.arange(t, device=ids.device)[None, :] < torch.as_tensor(lengths, device=ids.device)[:, None])
-    inputs = padded_inputs(model.vision, processor, images + [None] * (b - len(images)), ids, attn.long())
+    inputs = padded_inputs(model.vision, processor, images, ids, attn.long())
     model.vision_inputs = inputs
     try:
         yield inputs["position_ids"]
