@@ -76,7 +76,12 @@ def test_train_mfu_record(tiny_model_dir, tmp_path):
     # the trainer's own perf/train_model_tflops measures the same step from inside the train call
     assert rec["logged_train_model_tflops"] * 1e3 == pytest.approx(rec["achieved_gflops"], rel=0.05)
     assert rec["device"] == "cpu" and rec["cuda_peak_mb"] is None
-    assert rec["matmul_gflops"] == max(rec["matmul_gflops_before_after"]) > 0
+    # the machine is measured before every step and after the last; the ratio uses the best of these
+    assert len(rec["matmul_gflops_measured"]) == 4 and rec["matmul_gflops"] == max(rec["matmul_gflops_measured"]) > 0
+    # each step against the matmul rate measured just before it
+    paired = [rec["model_tflop"] * 1e3 / s / r for s, r in zip(rec["steps_s"], rec["matmul_gflops_measured"])]
+    assert rec["paired_ratios"] == pytest.approx(paired, rel=1e-9)
+    assert rec["paired_ratio"] == pytest.approx(sorted(paired)[1], rel=1e-9)
 
 
 def test_megatron_train_record(tmp_path):
