@@ -17,7 +17,7 @@ after `--` go to the trainer (for example `-- --bf16`).
 - ratio = (model FLOPs / median step time) / machine rate.
 
 A shared machine's speed drifts within a run (on the 2-core development VM the 2048^3 rate moved
-between 143 and 193 GFLOP/s in one run), so the record also pairs each step with the matmul rate
+between 147 and 193 GFLOP/s in one run), so the record also pairs each step with the matmul rate
 measured just before it: `paired_ratio` is the median of the steps' (model FLOP/s / that rate).
 
 On a GPU the same command measures the CUDA device (the matmul is 8192^3 there, in the training
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     actor.shutdown()
 
     med = sorted(steps, key=lambda s: s["total"])[len(steps) // 2]
+    paired = [flops / s_["total"] / s_["matmul"] for s_ in steps]  # each step against the matmul just before it
     achieved = flops / med["total"]
     rec = {"model": Path(a.model).name, "flags": extra, "threads": a.threads, "params": n_params, "tokens": n_tokens,
            "model_tflop": flops / 1e12, "step_s": med["total"], "steps_s": [s["total"] for s in steps],
@@ -232,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
            "achieved_gflops": achieved / 1e9, "matmul_gflops": machine / 1e9,
            "matmul_gflops_measured": [r / 1e9 for r in rates],
            "model_gemm_gflops": gemm / 1e9, "ratio": achieved / machine,
-           "paired_ratios": [flops / s_["total"] / s_["matmul"] for s_ in steps],
-           "paired_ratio": statistics.median(flops / s_["total"] / s_["matmul"] for s_ in steps),
+           "paired_ratios": paired, "paired_ratio": statistics.median(paired),
            "median_of": len(steps), "spread_s": statistics.pstdev(s["total"] for s in steps),
            "logged_train_model_tflops": med["logged_tflops"], "cuda_peak_mb": med["cuda_peak_mb"],
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
