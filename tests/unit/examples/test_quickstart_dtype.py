@@ -34,11 +34,10 @@ def test_auto_picks_bf16_where_it_is_native(monkeypatch, cuda, amx, avx512_bf16,
     assert quickstart.choose_dtype("bf16") == (["--bf16"], "dtype: bf16")
 
 
-def test_this_machine_answers_from_torch():
-    native = quickstart.native_bf16()
-    assert native in (None, "a CUDA GPU", "AMX", "AVX512_BF16")
-    assert (native is None) == (not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported()
-                                and not torch.cpu._is_avx512_bf16_supported())
+def test_the_private_torch_probes_still_exist():
+    """`native_bf16` asks torch.cpu's private AMX / AVX512_BF16 probes: a torch upgrade that drops them
+    fails here, not in a user's quickstart."""
+    assert quickstart.native_bf16() in (None, "a CUDA GPU", "AMX", "AVX512_BF16")
 
 
 def test_a_wrong_dtype_is_one_line():
