@@ -1,6 +1,7 @@
 """benchmarks/decode_step.py: the record it writes is consistent (tiny model, a few steps)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -109,3 +110,36 @@ def test_megatron_train_record(tmp_path):
     assert train["ideal"] == 1 / (2 * 4 + 1)  # interleaved: (p - 1) / (v m + p - 1)
     for p in (logprobs, train):
         assert len(p["bubble_per_stage"]) == 2 and all(0 <= b < 1 for b in p["bubble_per_stage"])
+
+
+def test_startup_cpu_roles_and_sampling(tmp_path):
+    """benchmarks/startup_cpu.py: each process of a run is counted under its role, Ray's renamed actor
+    workers included, and the CPU of a child process that exits before the run ends is kept."""
+    import startup_cpu
+
+    roles = {
+        "/venv/bin/python train.py --actor-num-nodes 1": "driver (train.py)",
+        "ray::RolloutManager.generate": "RolloutManager",
+        "ray::TrainActor.train": "train rank",
+        "ray::EngineServer.start": "engine server actor",
+        "/venv/bin/python3 -m slime.engines.native --model-path m --port 1": "engine (native)",
+        "/venv/bin/python3 -m sglang_router.launch_router --port 2": "router",
+        "ray::IDLE": "idle Ray workers",
+        "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x": "Ray cluster",
+        "ray::DashboardAgent": "Ray cluster",
+    }
+    assert {c: startup_cpu.role_of(c) for c in roles} == roles
+    assert startup_cpu.cpu_by_role({1: ("ray::TrainActor.train", 2.0), 2: ("ray::TrainActor.init", 1.5),
+                                    3: ("train.py", 0.5)}) == {"train rank": 3.5, "driver (train.py)": 0.5}
+
+    # a parent that starts a child burning ~0.6 s of CPU, waits for it, then prints the first rollout's line
+    child = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass  # slime.engines.native"
+    parent = tmp_path / "train.py"
+    parent.write_text("import subprocess, sys, time\n"
+                      f"subprocess.run([sys.executable, '-c', {child!r}])\n"
+                      "print('rollout 0 | reward=0', flush=True)\ntime.sleep(0.3)\n")
+    rec = startup_cpu.run_once([sys.executable, str(parent)], env=dict(os.environ), interval=0.05)
+    assert rec["returncode"] == 0
+    assert 0.3 <= rec["cpu_s"]["engine (native)"] <= 1.0, rec  # the last sample can miss its final 0.05 s or more
+    assert "driver (train.py)" in rec["cpu_s"]
+    assert 0.5 < rec["first_rollout_s"] < rec["wall_s"], rec
