@@ -48,6 +48,7 @@ ROLES = [
     ("Ray cluster", "ray/"),
     ("Ray cluster", "ray::"),
 ]
+GENERIC = {"other", "idle Ray workers", "Ray runtime-env setup", "Ray cluster"}  # names a Ray worker has before its actor's
 ORDER = ["driver (train.py)", "RolloutManager", "train rank", "engine (native)", "engine server actor", "router",
          "idle Ray workers", "Ray runtime-env setup", "other", "Ray cluster"]
 
@@ -75,7 +76,6 @@ def run_once(cmd: list[str], env: dict[str, str], interval: float = 0.1, log: Pa
     driver = psutil.Process(proc.pid)
     samples: dict[int, tuple[str, float]] = {}
     first_rollout: list[float] = []
-
     lines: list[str] = []
 
     def reader():  # the driver's output: when the first rollout's line appears
@@ -100,8 +100,7 @@ def run_once(cmd: list[str], env: dict[str, str], interval: float = 0.1, log: Pa
                 continue
             old = samples.get(p.pid)
             # a Ray worker renames itself (ray::IDLE -> ray::TrainActor.train): keep the most specific name
-            if old and role_of(old[0]) not in ("other", "idle Ray workers", "Ray cluster") \
-                    and role_of(cmdline) in ("other", "idle Ray workers", "Ray cluster"):
+            if old and role_of(old[0]) not in GENERIC and role_of(cmdline) in GENERIC:
                 cmdline = old[0]
             samples[p.pid] = (cmdline, c.user + c.system)
         time.sleep(interval)
