@@ -68,5 +68,13 @@ fi
 t=$(date +%s)
 # end-to-end runs (Ray + engines + trainers) and slow tests; a file's tests stay on one worker (they
 # share its module fixtures), and each worker has its own shared Ray cluster (tests/e2e/conftest.py)
-python -m pytest -q -n "$WORKERS" --dist loadfile --durations=25 -m "e2e or slow"
+# CI stops a run at 90 minutes (SLIME_CI_LIMIT_S): the phase is interrupted 150 s before that, so that
+# pytest still prints its summary (the failures, the slowest tests) and this script its table
+left=$((START + ${SLIME_CI_LIMIT_S:-5400} - 150 - $(date +%s)))
+[ "$left" -gt 60 ] || left=60  # (timeout 0 would mean no limit)
+rc=0
+timeout --signal=INT --kill-after=60 "$left" \
+  python -m pytest -q -n "$WORKERS" --dist loadfile --durations=25 -m "e2e or slow" || rc=$?
 phase "e2e + slow tests" "$t" "$(date +%s)"
+if [ "$rc" = 124 ]; then echo "the e2e + slow tests were stopped at the time limit (SLIME_CI_LIMIT_S)"; fi
+exit "$rc"

@@ -8,9 +8,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_ENGINE_KEY = "slime-test-engine-key-0123456789"
 os.environ.setdefault("SLIME_ENGINE_API_KEY", TEST_ENGINE_KEY)
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 E2E = Path(__file__).parent / "e2e"
 
@@ -45,3 +45,19 @@ def tiny_moe_model_dir(tmp_path_factory):
     from slime.utils.tiny_model import build_tiny_moe_model
 
     return str(build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe_model"), seed=0, family="qwen3_moe"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """A failure's traceback printed when it happens, not only in the summary at the end: a CI run stopped
+    by its time limit (pytest's summary never printed) still shows which test failed and why. Under
+    pytest-xdist this runs in the controller, for each report a worker sends."""
+    if not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's report reaches the controller
+        return
+    import sys
+
+    when = "" if report.when == "call" else f" (in {report.when})"
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    sys.stderr.write(f"\n\n===== FAILED {report.nodeid}{when} =====\n{text[-6000:]}\n===== end of "
+                     f"{report.nodeid} =====\n")
+    sys.stderr.flush()
