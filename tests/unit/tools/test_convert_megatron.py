@@ -91,7 +91,9 @@ def test_not_a_checkpoint_is_one_clear_line(tiny_model_dir, tmp_path):
 # The forward check runs in its own process: it sets up a process group and, because megatron-core's
 # forward assumes CUDA in device/RNG bookkeeping (RotaryEmbedding.get_emb moves inv_freq to
 # torch.cuda.current_device(); attention dropout forks the CUDA RNG tracker even at p=0), it uses the
-# shims in slime/training/megatron/shims.py. None of that touches the arithmetic.
+# shims in slime/training/megatron/shims.py. None of that touches the arithmetic. One process checks
+# every model kind in turn (each in its own one-process group): a process that imports megatron-core
+# and transformers costs about 15 CPU-seconds before it does anything.
 FORWARD = textwrap.dedent("""
     import contextlib, importlib.util, json, sys
     import torch
@@ -99,32 +101,32 @@ FORWARD = textwrap.dedent("""
     from slime.training.megatron import convert as mc, moe
     from slime.training.megatron.shims import use_cpu_rng_tracker
 
-    hf_dir, save, back = sys.argv[1:4]
     spec = importlib.util.spec_from_file_location("to_td", "tools/convert_hf_to_torch_dist.py")
     to_td = importlib.util.module_from_spec(spec); spec.loader.exec_module(to_td)
-    ckpt = to_td.convert(hf_dir, save)
-
-    config = AutoConfig.from_pretrained(hf_dir)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
-    with torch.no_grad():
-        expected = hf(ids).logits
-    use_cpu_rng_tracker()
-    rows = mc.checkpoint_tensor_shapes(ckpt)["embedding.word_embeddings.weight"][0][0]
-    with mc.single_process_parallel_state(), mc.cpu_only_cuda_shims():
-        model = (moe if moe.is_moe(config) else mc).build_gpt_model(config, rows, torch.float32).eval()
-        mc.load_torch_dist(model, ckpt)
-        s = ids.shape[1]
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
-        with torch.no_grad():
-            got = model(ids, torch.arange(s)[None], attention_mask=mask)
-    got = got[..., : config.vocab_size]
-    # and back to HF with tools/convert_torch_dist_to_hf.py's convert (its command line: the tests above)
     spec = importlib.util.spec_from_file_location("to_hf", "tools/convert_torch_dist_to_hf.py")
     to_hf = importlib.util.module_from_spec(spec); spec.loader.exec_module(to_hf)
-    to_hf.convert(save, back, hf_dir)
-    print(json.dumps({"shape": list(got.shape), "max_abs_diff": (got - expected).abs().max().item(),
-                      "close": torch.allclose(got, expected, atol=1e-4, rtol=0)}))
+    use_cpu_rng_tracker()
+    for hf_dir, save, back in json.loads(sys.argv[1]):
+        ckpt = to_td.convert(hf_dir, save)
+        config = AutoConfig.from_pretrained(hf_dir)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+        with torch.no_grad():
+            expected = hf(ids).logits
+        rows = mc.checkpoint_tensor_shapes(ckpt)["embedding.word_embeddings.weight"][0][0]
+        with mc.single_process_parallel_state(), mc.cpu_only_cuda_shims():
+            model = (moe if moe.is_moe(config) else mc).build_gpt_model(config, rows, torch.float32).eval()
+            mc.load_torch_dist(model, ckpt)
+            s = ids.shape[1]
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+            with torch.no_grad():
+                got = model(ids, torch.arange(s)[None], attention_mask=mask)
+        got = got[..., : config.vocab_size]
+        # and back to HF with tools/convert_torch_dist_to_hf.py's convert (its command line: the tests above)
+        to_hf.convert(save, back, hf_dir)
+        print(json.dumps({"hf_dir": hf_dir, "shape": list(got.shape),
+                          "max_abs_diff": (got - expected).abs().max().item(),
+                          "close": torch.allclose(got, expected, atol=1e-4, rtol=0)}), flush=True)
 """)
 
 
@@ -157,23 +159,31 @@ def _tiny_moe_hf(family, path):
     return build_tiny_moe_model(path, seed=0, family=family)
 
 
-@pytest.mark.parametrize("kind", ["tiny_llama", "llama_untied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
-def test_megatron_forward_matches_hf(kind, tiny_model_dir, tmp_path):
-    if kind.endswith("_moe"):
-        hf_dir = _tiny_moe_hf(kind, tmp_path / "hf")
-    else:
-        hf_dir = tiny_model_dir if kind == "tiny_llama" else _tiny_hf(kind, tmp_path / "hf")
-    proc = subprocess.run([sys.executable, "-c", FORWARD, str(hf_dir), str(tmp_path / "td"), str(tmp_path / "back")],
-                          cwd=ROOT, capture_output=True, text=True)
+KINDS = ["tiny_llama", "llama_untied", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+
+
+def test_megatron_forward_matches_hf(tiny_model_dir, tmp_path):
+    """For each kind of model: megatron's GPTModel loaded from the converted checkpoint gives the HF
+    model's logits, and the checkpoint converts back to identical HF tensors."""
+    dirs = {}
+    for kind in KINDS:
+        if kind.endswith("_moe"):
+            dirs[kind] = str(_tiny_moe_hf(kind, tmp_path / kind / "hf"))
+        else:
+            dirs[kind] = tiny_model_dir if kind == "tiny_llama" else str(_tiny_hf(kind, tmp_path / kind / "hf"))
+    jobs = [[dirs[k], str(tmp_path / k / "td"), str(tmp_path / k / "back")] for k in KINDS]
+    proc = subprocess.run([sys.executable, "-c", FORWARD, json.dumps(jobs)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["close"], result
-    # and back to HF (in the same process, through the tool's convert): identical tensors
-    back = tmp_path / "back"
-    original, converted = load_file(Path(hf_dir) / "model.safetensors"), load_file(back / "model.safetensors")
-    assert sorted(original) == sorted(converted)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, converted[name]), name
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"hf_dir"')]
+    assert [r["hf_dir"] for r in results] == [dirs[k] for k in KINDS]
+    for kind, result in zip(KINDS, results):
+        assert result["close"], (kind, result)
+        # and back to HF (through the tool's convert): identical tensors
+        back = tmp_path / kind / "back"
+        original, converted = load_file(Path(dirs[kind]) / "model.safetensors"), load_file(back / "model.safetensors")
+        assert sorted(original) == sorted(converted), kind
+        for name, tensor in original.items():
+            assert torch.equal(tensor, converted[name]), (kind, name)
 
 
 def test_moe_experts_are_stacked_under_megatron_names(tmp_path):

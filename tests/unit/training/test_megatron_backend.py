@@ -226,8 +226,8 @@ def test_bf16_trains_fp32_main_weights_close_to_fp32(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2_untied"])
 def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_session):
-    """TP=2 (2 ranks, one TP group), DP=2 (TP=1) and one rank: the same metrics and weights after two
-    AdamW steps (through full_state: the TP shards gathered back to HF names). Qwen3's q/k norms are
+    """TP=2 (2 ranks, one TP group; Qwen3 and Qwen2), DP=2 (TP=1; Llama) and one rank: the same metrics
+    and weights after two AdamW steps (through full_state: the TP shards gathered back to HF names). Qwen3's q/k norms are
     replicated but see only their rank's heads: their gradients must be summed over the TP group.
     Two samples hold the pad token (its embedding row gets no gradient from them, as in HF): under
     sequence parallelism each TP rank's embedding output is its part of the sequence."""
@@ -236,9 +236,11 @@ def test_tensor_parallel_matches_one_rank(kind, tiny_model_dir, tmp_path, ray_se
     # ranks, TP, micro-batch size, flags; the untied (vocabulary-parallel) output layer and SP take their
     # log-probs 8 rows at a time (every TP rank's vocabulary shard per chunk; the tiny vocabulary fits rank 0's)
     chunked = ["--log-probs-chunk-size", 8]
-    layouts = {"tp2": (2, 2, 1, chunked if kind == "qwen2_untied" else []), "one": (1, 1, 3, [])}
-    if kind == "llama":
+    layouts = {"one": (1, 1, 3, [])}
+    if kind == "llama":  # (TP 2 on llama: the Qwen cases run the same code with more to split)
         layouts["dp2"] = (2, 1, 1, [])
+    else:
+        layouts["tp2"] = (2, 2, 1, chunked if kind == "qwen2_untied" else [])
     if kind == "qwen3":  # sequence parallel: the layer norms see half the tokens each, the q/k norms half the heads
         layouts["tp2_sp"] = (2, 2, 2, ["--sequence-parallel", *chunked])
     results = {}
@@ -308,8 +310,8 @@ def _train_layouts(model_dir, tmp_path, layouts, batch, extra=()):
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_session):
-    """PP 2 (1F1B) and PP 2 with 2 virtual stages (interleaved), tied embeddings; PP 2 with an uneven
-    split (1 + 3 layers), untied output layer; each against one rank: the same metrics, weights and
+    """PP 2 with 2 virtual stages (interleaved), tied embeddings; PP 2 (1F1B) with an uneven split
+    (1 + 3 layers), untied output layer; each against one rank: the same metrics, weights and
     AdamW state after four steps. A tied embedding lives on both end stages and must train as one
     weight."""
     model_dir = _four_layer_model(tiny_model_dir, tmp_path / "four", tied)
@@ -318,7 +320,8 @@ def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_
     # micro-batches of the pipeline: 2 per step of 2 samples (mbs 1 on each rank), or 1 of 4 (mbs 2)
     # padded with a filler to the 2 the interleaved schedule needs
     if tied:
-        layouts = {"one": (1, [], 4), "pp2": (2, pp, 1),  # and the last stage's log-probs 8 rows at a time
+        # (plain PP 2 on the tied model was a case until 2026-11-28, cut for CI time: the untied case runs 1F1B)
+        layouts = {"one": (1, [], 4),  # and the last stage's log-probs 8 rows at a time
                    "pp2_vp2": (2, pp + ["--virtual-pipeline-model-parallel-size", 2, "--log-probs-chunk-size", 8], 2)}
     else:
         layouts = {"one": (1, [], 4), "pp2_uneven": (2, pp + ["--decoder-first-pipeline-num-layers", 1], 1)}
@@ -337,48 +340,6 @@ def test_pipeline_parallel_matches_one_rank(tied, tiny_model_dir, tmp_path, ray_
         for pname, st in o1["state"].items():
             assert float(optim["state"][pname]["step"]) == float(st["step"]) == 4.0
             torch.testing.assert_close(optim["state"][pname]["exp_avg"], st["exp_avg"], atol=1e-6, rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_train_state_saved_at_one_layout_resumes_at_another(tiny_model_dir, tmp_path, ray_session):
-    """Saved by two pipeline stages, resumed by two data-parallel ranks with the distributed optimizer
-    (each holding half of the AdamW state): the same model and AdamW state after the load, and the
-    next rollout's steps give the same metrics and weights as the run that saved."""
-    import ray
-
-    from slime.ray.actor_group import TrainGroup
-
-    model_dir = _four_layer_model(tiny_model_dir, tmp_path / "four", tied=True)
-    batch = synthetic_batch(model_dir, 8, seed=16)
-    ckpt = str(tmp_path / "ckpt")
-    runs = {}
-    for name, flags in (("pp2", ["--pipeline-model-parallel-size", 2, "--micro-batch-size", 1]),
-                        ("dp2_zero1", ["--use-distributed-optimizer", "--micro-batch-size", 2])):
-        args = make_args(model_dir, tmp_path, *COMMON, "--train-backend", "megatron", "--actor-num-gpus-per-node", 2,
-                         *flags)
-        group = TrainGroup(args)
-        try:
-            group.init()
-            refs = [ray.put(b) for b in batch.split_for_ranks(args.dp_size, args.global_batch_size)]
-            if name == "pp2":
-                group.train(0, refs)
-                group.save(ckpt)
-            else:
-                group.load(ckpt)
-            saved = group.full_state(optimizer=True)
-            runs[name] = (saved, group.train(1, refs), group.full_state(optimizer=True))
-        finally:
-            group.shutdown()
-    (s_a, o_a), m_a, (t_a, p_a) = runs["pp2"]
-    (s_b, o_b), m_b, (t_b, p_b) = runs["dp2_zero1"]
-    assert_states_close(s_b, s_a, atol=0)
-    assert o_b["param_groups"] == o_a["param_groups"] and set(o_b["state"]) == set(o_a["state"])
-    for pname, st in o_a["state"].items():
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(o_b["state"][pname][key], st[key]), (pname, key)
-    for k in deterministic(m_a):
-        assert m_b[k] == pytest.approx(m_a[k], rel=1e-4, abs=1e-6), k
-    assert_states_close(t_b, t_a, atol=1e-5)
 
 
 # ---------------------------------------------------------------- PPO critic (value head)

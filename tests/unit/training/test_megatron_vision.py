@@ -172,9 +172,10 @@ def _gqa_vl_model(tiny_vl_model_dir, out):
 
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_match_one_rank(tiny_vl_model_dir, images, tmp_path, ray_session):
-    """TP 2 and TP 2 + SP against one rank on image samples: the same metrics and weights after two
-    AdamW steps (the vision tower replicated on both TP ranks; under SP each rank's half of the
-    sequence gives half its gradient, summed over the TP group)."""
+    """TP 2 + SP against one rank on image samples: the same metrics and weights after two AdamW steps
+    (the vision tower replicated on both TP ranks; under SP each rank's half of the sequence gives half
+    its gradient, summed over the TP group). (TP 2 without SP was a case here until 2026-11-28, cut for
+    CI time: SP's path holds TP's and adds the split sequence.)"""
     model_dir = _gqa_vl_model(tiny_vl_model_dir, tmp_path / "gqa")
     engine = NativeEngine(model_dir, num_threads=1).start()
     try:  # long text, then the images: their tokens lie in the padded rows' second half, SP rank 1's part
@@ -194,8 +195,7 @@ def test_tensor_and_sequence_parallel_match_one_rank(tiny_vl_model_dir, images, 
                          rewards=rewards, raw_rewards=list(rewards),
                          rollout_log_probs=[list(r.output_token_logprobs) for r in results],
                          group_indices=[i // 2 for i in range(8)], images=sources)
-    layouts = {"one": (1, 1, 4, []), "tp2": (2, 2, 2, []),
-               "tp2_sp": (2, 2, 2, ["--sequence-parallel", "--log-probs-chunk-size", 8])}
+    layouts = {"one": (1, 1, 4, []), "tp2_sp": (2, 2, 2, ["--sequence-parallel", "--log-probs-chunk-size", 8])}
     results = {}
     for name, (ranks, tp, mbs_, flags) in layouts.items():
         args = make_args(model_dir, tmp_path, "--rollout-temperature", TEMPERATURE, *COMMON, *MEGATRON,
@@ -206,7 +206,7 @@ def test_tensor_and_sequence_parallel_match_one_rank(tiny_vl_model_dir, images, 
     m1, s1 = results["one"]
     assert m1["train/train_rollout_logprob_abs_diff"] < 1e-5  # the engine's log-probs, images and all
     assert any(k.startswith("model.visual.") for k in s1)
-    for name in ("tp2", "tp2_sp"):
+    for name in ("tp2_sp",):
         m, s = results[name]
         for key in deterministic(m1):
             assert m[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (name, key)
