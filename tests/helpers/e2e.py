@@ -44,9 +44,15 @@ def driver_env(**env_vars) -> dict[str, str]:
 
 def run(cmd, timeout=600, **env_vars):
     """Run `cmd` from the repository root in `driver_env(**env_vars)`, e.g. OMP_NUM_THREADS="1"
-    to pin the threads of a run whose memory is measured."""
-    return subprocess.run(cmd, cwd=ROOT, env=driver_env(**env_vars), capture_output=True, text=True,
-                          timeout=timeout)
+    to pin the threads of a run whose memory is measured. A run past `timeout` fails the test with the
+    end of what it had written to stderr (where it was when it stopped)."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=driver_env(**env_vars), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"{' '.join(map(str, cmd))[:300]}\nran past its {timeout} s; the end of its "
+                             f"stderr:\n{err[-4000:]}") from None
 
 
 def records(out_dir):
